@@ -1,0 +1,40 @@
+"""Attention metadata: the tensors that describe one ragged batch to the attention kernels.
+
+Built once per forward by the engine's RaggedBatch and passed down to every layer (never stashed
+in a global). Kernels import nothing from the engine; this dataclass is their whole contract.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of a flat ragged batch lives and what it may attend to.
+
+    The batch holds T tokens of S sequences packed edge to edge: sequence s owns tokens
+    ``cu_q_lens[s]:cu_q_lens[s+1]``, which sit at positions ``context_lens[s] - q_len(s) ...
+    context_lens[s] - 1`` of that sequence. Each token attends causally to every earlier position of
+    its own sequence, whose keys and values live in the blocked KV cache at the blocks of
+    ``block_table[s]``.
+    """
+
+    positions: torch.Tensor  # int64[T]: position of each token in its sequence
+    slot_mapping: torch.Tensor  # int64[T]: block * block_size + offset where the token's K/V is written
+    cu_q_lens: torch.Tensor  # int32[S+1]: prefix sums of new-token counts per sequence
+    context_lens: torch.Tensor  # int32[S]: tokens in the cache per sequence once this batch is written
+    block_table: torch.Tensor  # int32[S, max_blocks]: cache blocks of each sequence, padded with 0
+    last_token_indices: torch.Tensor  # int64[S]: index in the flat batch of each sequence's last token
+    max_q_len: int  # longest run of new tokens of any sequence (1 for a decode-only batch)
+    max_context_len: int  # longest context of any sequence after this batch
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.context_lens.shape[0])
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_q_len == 1

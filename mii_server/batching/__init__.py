@@ -1,0 +1,1 @@
+"""The replica's ragged batching loop: requests, scheduler, step execution, outputs."""

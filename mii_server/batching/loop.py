@@ -1,0 +1,208 @@
+"""GenerationLoop: one iteration = schedule, execute (flush + feed), sample, emit updates.
+
+Thread-safe at its edges: ``submit`` and ``abort`` may be called from any thread; ``step`` runs on
+one thread (the pipeline's caller or the replica's batching thread).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import InvalidRequest
+from ..generation.detokenizer import IncrementalDetokenizer
+from ..generation.params import GenerateParams
+from ..generation.sampler import sample
+from ..engine.state_manager import blocks_for
+from .executor import StepExecutor
+from .request import Request, RequestStatus, RequestUpdate, Sink
+from .scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoopStats:
+    running: int
+    waiting: int
+    free_blocks: int
+    total_blocks: int
+    requests_finished: int
+    prompt_tokens: int
+    generated_tokens: int
+    preemptions: int
+
+
+class GenerationLoop:
+    def __init__(
+        self,
+        executor: StepExecutor,
+        tokenizer: Any,
+        eos_token_ids: frozenset[int],
+        context_length: int,
+        default_max_length: int,
+        max_batch_tokens: int,
+        max_batch_sequences: int,
+        max_tracked_sequences: int,
+        seed: int = 0,
+    ) -> None:
+        self.executor = executor
+        self.engine = executor.engine
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.context_length = context_length
+        self.default_max_length = default_max_length
+        self.scheduler = Scheduler(self.engine, max_batch_tokens, max_batch_sequences, max_tracked_sequences)
+        self._uids = itertools.count()
+        self._seed = seed
+        self._lock = threading.Lock()  # guards the inbox, the abort list and the tokenizer
+        self._inbox: list[Request] = []
+        self._aborts: list[int] = []
+        self._live: dict[int, Request] = {}  # touched by the stepping thread only
+        self._wakeup = threading.Condition(self._lock)
+        self.requests_finished = 0
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+
+    # ---- any thread ----------------------------------------------------------------------------
+
+    def prepare(self, prompt: str | list[int], params: GenerateParams, sink: Sink) -> Request:
+        """Tokenise and validate one prompt; raises InvalidRequest. Nothing is queued yet."""
+        with self._lock:
+            uid = next(self._uids)
+            if isinstance(prompt, str):
+                ids = self.tokenizer.encode(prompt)
+                text = prompt
+            else:
+                ids, text = list(prompt), self.tokenizer.decode(list(prompt))
+        if not ids:
+            raise InvalidRequest("the prompt is empty (no tokens)")
+        max_new = params.limits_for(len(ids), self.default_max_length, self.context_length)
+        need = blocks_for(len(ids) + max_new, self.engine.block_size)
+        if need > self.engine.total_blocks:
+            raise InvalidRequest(
+                f"prompt ({len(ids)} tokens) plus up to {max_new} new tokens needs {need} KV blocks, but the "
+                f"cache holds {self.engine.total_blocks}; lower max_new_tokens or give the cache more memory"
+            )
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        generator = None
+        if params.do_sample:
+            generator = torch.Generator(device=self.engine.device)
+            generator.manual_seed(params.seed if params.seed is not None else self._seed * 1_000_003 + uid)
+        return Request(
+            uid=uid,
+            prompt_ids=ids,
+            params=params,
+            max_new_tokens=max_new,
+            stop_ids=stop_ids,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, ids),
+            generator=generator,
+            sink=sink,
+            prompt_text=text,
+        )
+
+    def enqueue(self, requests: list[Request]) -> None:
+        with self._lock:
+            self._inbox.extend(requests)
+            self._wakeup.notify()
+
+    def submit(self, prompt: str | list[int], params: GenerateParams, sink: Sink) -> int:
+        request = self.prepare(prompt, params, sink)
+        self.enqueue([request])
+        return request.uid
+
+    def abort(self, uid: int) -> None:
+        """Stop ``uid`` at the next step; its sink gets a final ABORT update and its blocks are freed."""
+        with self._lock:
+            self._aborts.append(uid)
+            self._wakeup.notify()
+
+    def wait_for_work(self, timeout: float | None = None) -> None:
+        """Block until something is queued (for an idle batching thread)."""
+        with self._lock:
+            if not (self._inbox or self._aborts or self.scheduler.has_work()):
+                self._wakeup.wait(timeout)
+
+    def stats(self) -> LoopStats:
+        return LoopStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            free_blocks=self.engine.free_blocks,
+            total_blocks=self.engine.total_blocks,
+            requests_finished=self.requests_finished,
+            prompt_tokens=self.prompt_tokens,
+            generated_tokens=self.generated_tokens,
+            preemptions=self.scheduler.num_preemptions,
+        )
+
+    # ---- the stepping thread -------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._inbox or self._aborts) or self.scheduler.has_work()
+
+    def step(self) -> None:
+        """One iteration of the loop."""
+        self._take_inbox()
+        scheduled = self.scheduler.schedule()
+        if not scheduled.step.uids and not scheduled.step.flush_uids:
+            return
+        try:
+            logits = self.executor.execute(scheduled.step)
+        except Exception as err:  # a failed forward must not strand the requests in it
+            log.exception("forward pass failed; failing the %d requests in it", len(scheduled.requests))
+            for req in scheduled.requests:
+                self._finish(req, RequestUpdate(req.uid, None, err))
+            return
+        to_sample: list[tuple[int, Request]] = []
+        for row, (req, new_tokens) in enumerate(zip(scheduled.requests, scheduled.step.tokens)):
+            req.num_computed_tokens += len(new_tokens)
+            if req.num_computed_tokens == req.num_tokens:
+                to_sample.append((row, req))
+        if not to_sample:
+            return
+        assert logits is not None
+        rows = torch.tensor([row for row, _ in to_sample], device=logits.device)
+        ids = sample(logits.index_select(0, rows), [req.sampling_row() for _, req in to_sample])
+        for token, (_, req) in zip(ids, to_sample):
+            response = req.append(token)
+            self.generated_tokens += 1
+            update = RequestUpdate(req.uid, response)
+            if update.finished:
+                self._finish(req, update)
+            else:
+                req.sink(update)
+
+    def _take_inbox(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        for req in inbox:
+            self._live[req.uid] = req
+            self.prompt_tokens += len(req.prompt_ids)
+            self.scheduler.add(req)
+        for uid in aborts:
+            req = self._live.get(uid)
+            if req is not None:
+                self._finish(req, RequestUpdate(uid, req.abort_response()))
+
+    def _finish(self, req: Request, update: RequestUpdate) -> None:
+        self.scheduler.finish(req)
+        self._live.pop(req.uid, None)
+        self.requests_finished += 1
+        try:
+            req.sink(update)
+        except Exception:
+            log.exception("sink of request %d failed", req.uid)
+
+    def fail_all(self, err: Exception) -> None:
+        """Finish every live and queued request with ``err`` (the engine is going away)."""
+        self._take_inbox()
+        for req in list(self._live.values()):
+            if req.status is not RequestStatus.FINISHED:
+                self._finish(req, RequestUpdate(req.uid, None, err))

@@ -1,0 +1,27 @@
+"""Step: what every tensor-parallel rank executes in one iteration (the broadcast contract)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Step:
+    """One iteration of the replica loop: flush these sequences, then run one ragged forward."""
+
+    flush_uids: list[int] = field(default_factory=list)  # sequences whose KV blocks are freed first
+    uids: list[int] = field(default_factory=list)  # sequences in the forward, in batch order
+    tokens: list[list[int]] = field(default_factory=list)  # new tokens of each sequence
+    stop: bool = False  # followers leave their loop (the replica is shutting down)
+
+    def to_msg(self) -> dict[str, Any]:
+        return {"flush": self.flush_uids, "uids": self.uids, "tokens": self.tokens, "stop": self.stop}
+
+    @classmethod
+    def from_msg(cls, msg: dict[str, Any]) -> Step:
+        return cls(flush_uids=msg["flush"], uids=msg["uids"], tokens=msg["tokens"], stop=msg["stop"])
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)

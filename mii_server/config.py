@@ -1,0 +1,105 @@
+"""Model and engine configuration: one pydantic v2 tree, every field documented and constrained.
+
+``ModelConfig.from_kwargs(model_name_or_path, **kwargs)`` is how ``pipeline()`` and ``serve()`` turn
+user kwargs into a config: unknown names raise ``UnknownArgument`` before anything is loaded.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import InvalidRequest, UnknownArgument
+
+DType = Literal["auto", "float32", "float16", "bfloat16"]
+
+
+class KVCacheConfig(BaseModel):
+    """How the blocked KV cache is sized. Give ``num_blocks`` or ``memory_bytes``; neither means auto."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    block_size: int = Field(default=64, ge=1, le=1024, description="Token slots per KV block.")
+    num_blocks: int | None = Field(default=None, ge=1, description="Exact number of KV blocks to allocate.")
+    memory_bytes: int | None = Field(
+        default=None, ge=1, description="Bytes to spend on KV blocks (all layers, K and V)."
+    )
+    reserve_bytes: int = Field(
+        default=1_000_000_000,
+        ge=0,
+        description="On CUDA with neither size given: bytes of free device memory left unallocated "
+        "after the weights load (for activations, CUDA graphs and other processes).",
+    )
+    cpu_default_bytes: int = Field(
+        default=256 * 2**20,
+        ge=1,
+        description="On the CPU with neither size given: bytes of host memory spent on KV blocks.",
+    )
+
+    @model_validator(mode="after")
+    def _one_size(self) -> KVCacheConfig:
+        if self.num_blocks is not None and self.memory_bytes is not None:
+            raise ValueError("give kv_cache num_blocks or memory_bytes, not both")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"kv_cache block_size must be a power of two, not {self.block_size}")
+        return self
+
+
+class ModelConfig(BaseModel):
+    """Everything needed to load one model and run its engine (per replica)."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model_name_or_path: str = Field(
+        default="",
+        description="Local checkpoint directory or Hugging Face hub id; empty means the built-in demo model.",
+    )
+    tokenizer: str | None = Field(default=None, description="Tokenizer path or id; None means the model's.")
+    dtype: DType = Field(
+        default="auto",
+        description="Weight and activation dtype; auto is bfloat16 on CUDA and float32 on the CPU.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="Where the engine runs; auto picks CUDA when available."
+    )
+    tensor_parallel: int = Field(default=1, ge=1, le=64, description="Ranks that share one copy of the model.")
+    max_length: int | None = Field(
+        default=None,
+        ge=1,
+        description="Default most tokens of prompt plus output per request; None means the model's context.",
+    )
+    max_ragged_batch_size: int = Field(
+        default=768, ge=1, description="Token budget of one forward pass, summed over all sequences."
+    )
+    max_ragged_sequence_count: int = Field(
+        default=512, ge=1, description="Most sequences in one forward pass."
+    )
+    max_tracked_sequences: int = Field(
+        default=2048, ge=1, description="Most sequences the engine holds KV state for at once."
+    )
+    kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig, description="KV cache sizing.")
+    seed: int = Field(default=0, ge=0, description="Seed for requests that bring none of their own.")
+
+    @model_validator(mode="after")
+    def _limits_agree(self) -> ModelConfig:
+        if self.max_ragged_sequence_count > self.max_ragged_batch_size:
+            raise ValueError("max_ragged_sequence_count must not exceed max_ragged_batch_size")
+        if self.max_ragged_sequence_count > self.max_tracked_sequences:
+            raise ValueError("max_ragged_sequence_count must not exceed max_tracked_sequences")
+        return self
+
+    @classmethod
+    def field_names(cls) -> frozenset[str]:
+        return frozenset(cls.model_fields)
+
+    @classmethod
+    def from_kwargs(cls, model_name_or_path: str = "", **kwargs: Any) -> ModelConfig:
+        """Build from user kwargs: ``UnknownArgument`` for unknown names, ``InvalidRequest`` for bad values."""
+        unknown = sorted(set(kwargs) - cls.field_names())
+        if unknown:
+            raise UnknownArgument(f"Keyword argument(s) {', '.join(unknown)} not recognized")
+        try:
+            return cls.model_validate({"model_name_or_path": model_name_or_path, **kwargs})
+        except ValidationError as err:
+            raise InvalidRequest(f"invalid model configuration: {err}") from None

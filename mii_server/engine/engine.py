@@ -1,0 +1,120 @@
+"""InferenceEngine: put / query / can_schedule / flush over a model and a blocked KV cache.
+
+No scheduling policy and no sampling live here (DeepSpeed inference v2 semantics): the caller
+decides what runs; the engine runs it, or says why it cannot.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import torch
+
+from ..errors import CapacityExceeded
+from .kv_cache import BlockedKVCache
+from .ragged_batch import RaggedBatch
+from .state_manager import StateManager
+
+
+class SchedulingResult(enum.Enum):
+    """Answer of ``can_schedule``: Success, or the first limit the batch would break."""
+
+    Success = 0
+    EngineSequenceLimitExceeded = 1  # more live sequences than max_tracked_sequences
+    BatchSequenceLimitExceeded = 2  # more sequences in one forward than max_ragged_sequence_count
+    BatchTokenLimitExceeded = 3  # more tokens in one forward than max_ragged_batch_size
+    KVCacheLimitExceeded = 4  # not enough free KV blocks
+
+
+class InferenceEngine:
+    """Runs ragged forward passes of ``model`` over ``kv_cache``, tracking sequences by uid."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: BlockedKVCache,
+        state_manager: StateManager,
+        max_ragged_batch_size: int,
+        max_ragged_sequence_count: int,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.state = state_manager
+        self.max_ragged_batch_size = max_ragged_batch_size
+        self.max_ragged_sequence_count = max_ragged_sequence_count
+        self.device = next(model.parameters()).device
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_cache.block_size
+
+    @property
+    def free_blocks(self) -> int:
+        return self.state.allocator.free_blocks
+
+    @property
+    def total_blocks(self) -> int:
+        return self.state.allocator.num_blocks
+
+    def blocks_held(self, uid: int) -> int:
+        seq = self.state.get(uid)
+        return 0 if seq is None else len(seq.blocks)
+
+    def seen_tokens(self, uid: int) -> int:
+        seq = self.state.get(uid)
+        return 0 if seq is None else seq.seen_tokens
+
+    def query(self, uid: int, max_tokens: int, max_blocks: int) -> tuple[int, int]:
+        """How many of ``max_tokens`` new tokens of ``uid`` fit in ``max_blocks`` more blocks.
+
+        Returns (tokens, blocks those tokens need).
+        """
+        seq = self.state.get(uid)
+        seen, have = (0, 0) if seq is None else (seq.seen_tokens, len(seq.blocks))
+        room = (have + max_blocks) * self.block_size - seen
+        tokens = max(0, min(max_tokens, room))
+        return tokens, self.state.blocks_needed(uid, tokens)
+
+    def can_schedule(self, uids: Sequence[int], lengths: Sequence[int]) -> SchedulingResult:
+        """Whether ``put`` of ``lengths[i]`` new tokens for each ``uids[i]`` would succeed."""
+        new_seqs = sum(1 for uid in uids if uid not in self.state)
+        if len(self.state) + new_seqs > self.state.max_tracked_sequences:
+            return SchedulingResult.EngineSequenceLimitExceeded
+        if len(uids) > self.max_ragged_sequence_count:
+            return SchedulingResult.BatchSequenceLimitExceeded
+        if sum(lengths) > self.max_ragged_batch_size:
+            return SchedulingResult.BatchTokenLimitExceeded
+        blocks = sum(self.state.blocks_needed(uid, n) for uid, n in zip(uids, lengths))
+        if blocks > self.free_blocks:
+            return SchedulingResult.KVCacheLimitExceeded
+        return SchedulingResult.Success
+
+    def put(self, uids: Sequence[int], tokens: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Append ``tokens[i]`` to sequence ``uids[i]`` (created on first sight) and run one forward.
+
+        Returns float32 logits ``[len(uids), vocab]`` for the last new token of each sequence.
+        Raises CapacityExceeded (changing nothing) when the batch breaks a limit.
+        """
+        if len(uids) != len(tokens) or not uids:
+            raise ValueError("put needs one non-empty token list per uid")
+        if len(set(uids)) != len(uids):
+            raise ValueError("put got the same uid twice")
+        if any(len(t) == 0 for t in tokens):
+            raise ValueError("put got an empty token list")
+        verdict = self.can_schedule(uids, [len(t) for t in tokens])
+        if verdict is not SchedulingResult.Success:
+            raise CapacityExceeded(f"cannot schedule batch: {verdict.name}")
+        sequences = [self.state.get_or_create(uid) for uid in uids]
+        for seq, new in zip(sequences, tokens):
+            self.state.reserve(seq, len(new))
+        batch = RaggedBatch.build(sequences, tokens, self.block_size, self.device)
+        logits = self.model(batch.input_ids, batch.meta, self.kv_cache)
+        for seq, new in zip(sequences, tokens):
+            seq.seen_tokens += len(new)
+        return logits
+
+    def flush(self, uid: int) -> None:
+        """Forget ``uid`` and free its KV blocks (a no-op for an unknown uid)."""
+        if uid in self.state:
+            self.state.flush(uid)

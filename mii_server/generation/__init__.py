@@ -1,0 +1,1 @@
+"""Per-request generation: parameters, sampling, stopping, detokenisation, responses."""

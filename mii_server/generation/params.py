@@ -1,0 +1,130 @@
+"""Generation parameters: MII's generate kwargs, validated once, at the edge.
+
+``GenerateParams.from_kwargs(**kwargs)`` is the one door: unknown names raise
+``UnknownArgument``, bad values raise ``InvalidRequest``; both leave every other request alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ..errors import InvalidRequest, UnknownArgument
+
+MAX_STOP_STRINGS = 16
+
+
+class GenerateParams(BaseModel):
+    """What one request asks of generation. Field names are MII's, plus ``seed`` and ``stop_token_ids``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_new_tokens: int | None = Field(
+        default=None, ge=1, description="Most tokens to generate; None means up to max_length."
+    )
+    max_length: int | None = Field(
+        default=None,
+        ge=1,
+        description="Most tokens of prompt plus output; None means the deployment's max_length.",
+    )
+    min_new_tokens: int = Field(
+        default=0, ge=0, description="EOS and stop_token_ids are suppressed until this many tokens exist."
+    )
+    do_sample: bool = Field(default=True, description="Sample from the distribution; False is greedy argmax.")
+    temperature: float | None = Field(
+        default=None, gt=0, le=100, description="Divides the logits before sampling; None means 1.0."
+    )
+    top_k: int | None = Field(default=None, ge=1, description="Sample only among the k most likely tokens.")
+    top_p: float = Field(
+        default=0.9,
+        gt=0,
+        le=1,
+        description="Nucleus sampling mass; applies only when do_sample is true (unlike MII).",
+    )
+    stop: list[str] = Field(
+        default_factory=list,
+        description="Strings that end generation when they appear in the output (any token length); "
+        "the stop string itself is not returned.",
+    )
+    stop_token_ids: list[int] = Field(
+        default_factory=list, description="Token ids that end generation, besides EOS."
+    )
+    ignore_eos: bool = Field(default=False, description="Keep generating past EOS; only lengths stop.")
+    return_full_text: bool = Field(default=False, description="Prefix the returned text with the prompt.")
+    seed: int | None = Field(
+        default=None, ge=0, lt=2**63, description="Seeds this request's sampler: the same seed repeats."
+    )
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        if value is None:
+            return []
+        if isinstance(value, str):
+            return [value]
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, value: list[str]) -> list[str]:
+        if any(s == "" for s in value):
+            raise ValueError("stop strings must not be empty")
+        if len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _ids_non_negative(cls, value: list[int]) -> list[int]:
+        if any(i < 0 for i in value):
+            raise ValueError("stop_token_ids must be non-negative")
+        return value
+
+    @model_validator(mode="after")
+    def _lengths_agree(self) -> GenerateParams:
+        if self.max_new_tokens is not None and self.max_new_tokens < self.min_new_tokens:
+            raise ValueError("max_new_tokens must be at least min_new_tokens")
+        return self
+
+    @classmethod
+    def field_names(cls) -> frozenset[str]:
+        return frozenset(cls.model_fields)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> GenerateParams:
+        """Validate user kwargs: ``UnknownArgument`` for unknown names, ``InvalidRequest`` for bad values."""
+        unknown = sorted(set(kwargs) - cls.field_names())
+        if unknown:
+            raise UnknownArgument(
+                f"Keyword argument(s) {', '.join(unknown)} not recognized as generation parameters; "
+                f"known: {', '.join(sorted(cls.field_names()))}"
+            )
+        try:
+            return cls.model_validate(kwargs)
+        except ValidationError as err:
+            raise InvalidRequest(_describe(err)) from None
+
+    def limits_for(self, prompt_length: int, default_max_length: int, context_length: int) -> int:
+        """How many new tokens this request may generate after a prompt of ``prompt_length`` tokens.
+
+        Raises ``InvalidRequest`` when the prompt alone leaves no room.
+        """
+        max_length = min(self.max_length or default_max_length, context_length)
+        if prompt_length >= max_length:
+            raise InvalidRequest(
+                f"prompt has {prompt_length} tokens, which leaves no room under max_length={max_length} "
+                f"(model context {context_length})"
+            )
+        budget = max_length - prompt_length
+        if self.max_new_tokens is not None:
+            budget = min(budget, self.max_new_tokens)
+        return budget
+
+
+def _describe(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "parameters"
+        parts.append(f"{where}: {e['msg']} (got {e.get('input')!r})")
+    return "invalid generation parameters: " + "; ".join(parts)

@@ -1,0 +1,103 @@
+"""Find a checkpoint, build its model family for one tensor-parallel rank, stream in the weights."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from ..errors import InvalidRequest
+from .parallel import TensorParallelGroup
+from .registry import model_class_for
+from .spec import ArchitectureSpec
+
+log = logging.getLogger(__name__)
+
+
+def resolve_model_path(name_or_path: str) -> Path:
+    """A local checkpoint directory, or a hub id resolved through the Hugging Face cache
+    (downloaded when the network allows)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+        try:
+            return Path(snapshot_download(name_or_path, allow_patterns=patterns, local_files_only=True))
+        except Exception:
+            return Path(snapshot_download(name_or_path, allow_patterns=patterns))
+    except Exception as err:
+        raise InvalidRequest(
+            f"{name_or_path!r} is neither a local directory nor a model the Hugging Face hub cache "
+            f"holds or could fetch ({type(err).__name__}: {err})"
+        ) from None
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's safetensors files, from a sharded index when there is one."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise InvalidRequest(f"no *.safetensors weights in {path}")
+    return files
+
+
+def iterate_weights(files: list[Path], show_progress: bool) -> Iterator[tuple[str, Any]]:
+    """(name, lazy slice) for every tensor; slices read only what the loader indexes."""
+    bar = tqdm(total=len(files), desc="Loading safetensors checkpoint shards", disable=not show_progress)
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_slice(name)
+        bar.update(1)
+    bar.close()
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    spec: ArchitectureSpec
+    path: Path
+    dtype: torch.dtype
+    device: torch.device
+
+
+def pick_dtype(name: str, device: torch.device, hf_config: Any) -> torch.dtype:
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return getattr(torch, name)
+
+
+def load_model(
+    path: Path, dtype_name: str, device: torch.device, tp: TensorParallelGroup | None = None
+) -> LoadedModel:
+    """Build the model family named by ``config.json`` for ``tp``'s rank and load its shard."""
+    from transformers import AutoConfig
+
+    tp = tp or TensorParallelGroup()
+    hf_config = AutoConfig.from_pretrained(str(path))
+    model_cls = model_class_for(hf_config.model_type)
+    spec = ArchitectureSpec.from_hf_config(hf_config, qkv_bias=model_cls.qkv_bias)
+    dtype = pick_dtype(dtype_name, device, hf_config)
+    from ..kernels import get_ops
+
+    with torch.device(device):
+        model = model_cls(spec, tp, dtype, get_ops(device))
+    show = tp.rank == 0 and os.environ.get("MII_SERVER_PROGRESS", "1") != "0"
+    model.load_weights(iterate_weights(safetensors_files(path), show))
+    model.eval()
+    log.info("loaded %s (%s, %d layers) on %s as %s", path, spec.model_type, spec.num_layers, device, dtype)
+    return LoadedModel(model=model, spec=spec, path=path, dtype=dtype, device=device)

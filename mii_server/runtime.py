@@ -1,0 +1,127 @@
+"""Build a ready GenerationLoop from a ModelConfig: device, weights, tokenizer, KV cache, engine."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .batching.executor import LocalExecutor, StepExecutor
+from .batching.loop import GenerationLoop
+from .config import KVCacheConfig, ModelConfig
+from .demo_model import demo_model_path
+from .engine import BlockedAllocator, BlockedKVCache, InferenceEngine, StateManager
+from .errors import InvalidRequest
+from .models import LoadedModel, load_model, resolve_model_path
+from .models.parallel import TensorParallelGroup
+
+log = logging.getLogger(__name__)
+
+
+def pick_device(config: ModelConfig, local_rank: int = 0) -> torch.device:
+    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise InvalidRequest("device='cuda' was asked for, but no CUDA device is available")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def model_path(config: ModelConfig) -> Path:
+    if not config.model_name_or_path:
+        return demo_model_path()
+    return resolve_model_path(config.model_name_or_path)
+
+
+def num_kv_blocks(cfg: KVCacheConfig, loaded: LoadedModel, kv_heads_per_rank: int) -> int:
+    """KV blocks for this rank: given, from a byte budget, or from free memory."""
+    spec = loaded.spec
+    per_block = BlockedKVCache.bytes_per_block(
+        spec.num_layers, cfg.block_size, kv_heads_per_rank, spec.head_dim, loaded.dtype
+    )
+    if cfg.num_blocks is not None:
+        return cfg.num_blocks
+    if cfg.memory_bytes is not None:
+        budget = cfg.memory_bytes
+    elif loaded.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(loaded.device)
+        budget = free - cfg.reserve_bytes
+    else:
+        budget = cfg.cpu_default_bytes
+    blocks = budget // per_block
+    if blocks < 1:
+        raise InvalidRequest(
+            f"no room for a single KV block ({per_block} bytes) in {budget} bytes; lower "
+            "kv_cache.reserve_bytes or block_size, or give memory_bytes"
+        )
+    return blocks
+
+
+@dataclass
+class Runtime:
+    """Everything one rank holds: the loaded model, its engine, and (rank 0) the tokenizer."""
+
+    loaded: LoadedModel
+    engine: InferenceEngine
+    tokenizer: Any
+
+    @property
+    def context_length(self) -> int:
+        return self.loaded.spec.max_positions
+
+
+def build_runtime(
+    config: ModelConfig, tp: TensorParallelGroup | None = None, device: torch.device | None = None,
+    num_blocks: int | None = None,
+) -> Runtime:
+    """Load the model shard of ``tp``'s rank and size its KV cache (``num_blocks`` overrides the
+    config: tensor-parallel ranks agree on the minimum)."""
+    from transformers import AutoTokenizer
+
+    tp = tp or TensorParallelGroup()
+    device = device or pick_device(config, tp.rank)
+    path = model_path(config)
+    loaded = load_model(path, config.dtype, device, tp)
+    kv_heads = loaded.model.layers[0].self_attn.num_kv_heads
+    blocks = num_blocks or num_kv_blocks(config.kv_cache, loaded, kv_heads)
+    spec = loaded.spec
+    kv_cache = BlockedKVCache(
+        spec.num_layers, blocks, config.kv_cache.block_size, kv_heads, spec.head_dim, loaded.dtype, device
+    )
+    state = StateManager(BlockedAllocator(blocks), config.kv_cache.block_size, config.max_tracked_sequences)
+    engine = InferenceEngine(
+        loaded.model, kv_cache, state, config.max_ragged_batch_size, config.max_ragged_sequence_count
+    )
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or str(path))
+    log.info("KV cache: %d blocks of %d tokens", blocks, config.kv_cache.block_size)
+    return Runtime(loaded=loaded, engine=engine, tokenizer=tokenizer)
+
+
+def eos_token_ids(runtime: Runtime) -> frozenset[int]:
+    ids = set(runtime.loaded.spec.eos_token_ids)
+    if runtime.tokenizer.eos_token_id is not None:
+        ids.add(runtime.tokenizer.eos_token_id)
+    gen_config = runtime.loaded.path / "generation_config.json"
+    if gen_config.exists():
+        import json
+
+        eos = json.loads(gen_config.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return frozenset(ids)
+
+
+def build_loop(config: ModelConfig, runtime: Runtime, executor: StepExecutor | None = None) -> GenerationLoop:
+    context = runtime.context_length
+    return GenerationLoop(
+        executor or LocalExecutor(runtime.engine),
+        runtime.tokenizer,
+        eos_token_ids(runtime),
+        context_length=context,
+        default_max_length=min(config.max_length or context, context),
+        max_batch_tokens=config.max_ragged_batch_size,
+        max_batch_sequences=config.max_ragged_sequence_count,
+        max_tracked_sequences=config.max_tracked_sequences,
+        seed=config.seed,
+    )
