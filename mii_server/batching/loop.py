@@ -176,7 +176,7 @@ class GenerationLoop:
             if update.finished:
                 self._finish(req, update)
             else:
-                req.sink(update)
+                self._emit(req, update)
 
     def _take_inbox(self) -> None:
         with self._lock:
@@ -195,9 +195,13 @@ class GenerationLoop:
         self.scheduler.finish(req)
         self._live.pop(req.uid, None)
         self.requests_finished += 1
+        self._emit(req, update)
+
+    @staticmethod
+    def _emit(req: Request, update: RequestUpdate) -> None:
         try:
             req.sink(update)
-        except Exception:
+        except Exception:  # a broken consumer must not stop the batch
             log.exception("sink of request %d failed", req.uid)
 
     def fail_all(self, err: Exception) -> None:
