@@ -1,0 +1,106 @@
+"""``serve()`` and ``client()``: stand up a deployment, or find a running one."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..errors import DeploymentNotFound, DeploymentStartError
+from . import launcher, ports, registry
+from .client import Client
+from .deployment import DeploymentConfig, default_deployment_name
+from .launcher import LaunchSpec
+
+POLL_S = 0.05
+
+
+def serve(model_name_or_path: str = "", **kwargs: Any) -> Client:
+    """Start a deployment in the background and return a ``Client`` once every process is serving.
+
+    Kwargs are MII's: ``ModelConfig`` fields (``tensor_parallel``, ``max_length``, ``dtype``, ...) and
+    ``DeploymentConfig`` fields (``deployment_name``, ``replica_num``, ``port_number``,
+    ``enable_restful_api``, ``restful_api_port``, ``device_map``, ...). Unknown names raise
+    ``UnknownArgument`` and a port in use raises ``DeploymentStartError``, before anything starts.
+    The deployment outlives this script; stop it with ``client.terminate_server()`` or
+    ``mii-server stop NAME``. A process that dies while starting raises ``DeploymentStartError``
+    carrying the tail of its log.
+    """
+    config = DeploymentConfig.from_kwargs(model_name_or_path, **kwargs)
+    # resolve the registry now, so that every process of the deployment agrees on it
+    config = config.model_copy(update={"registry_dir": str(registry.registry_dir(config.registry_dir))})
+    name, directory = config.deployment_name, config.registry_dir
+    claim_name(name, directory)
+    ports.ensure_free(
+        config.ports_in_use_by_deployment(),
+        config.host,
+        rest_host=config.restful_api_host,
+        rest_port=config.restful_api_port if config.enable_restful_api else None,
+    )
+    log_path = registry.log_dir(name, directory) / "supervisor.log"
+    proc = launcher.spawn("supervisor", LaunchSpec(deployment=config), log_path, detach=True)
+    deadline = time.monotonic() + config.startup_timeout_s + 60.0
+    while True:
+        record = registry.read(name, directory)
+        if record is not None and record.supervisor_pid == proc.pid:
+            if record.state == "ready":
+                return Client(config.lb_address, deployment_name=name, supervisor=proc)
+            if record.state == "failed":
+                proc.wait()
+                registry.remove(name, directory, only_pid=proc.pid)
+                raise DeploymentStartError(record.error)
+        code = proc.poll()
+        if code is not None:
+            record = registry.read(name, directory)
+            registry.remove(name, directory, only_pid=proc.pid)
+            if record is not None and record.supervisor_pid == proc.pid and record.error:
+                raise DeploymentStartError(record.error)
+            raise DeploymentStartError(
+                f"the supervisor of {name} exited with status {code}; last lines of {log_path}:\n"
+                f"{launcher.log_tail(log_path)}"
+            )
+        if time.monotonic() > deadline:
+            launcher.stop_group(proc)
+            raise DeploymentStartError(f"deployment {name} was not ready in time; see {log_path}")
+        time.sleep(POLL_S)  # polling the record for a state change, bounded by the deadline
+
+
+def claim_name(name: str, directory: str = "") -> None:
+    """Fail if a live deployment holds ``name``; drop a stale record left by a dead one."""
+    existing = registry.read(name, directory)
+    if existing is None:
+        return
+    if existing.is_alive():
+        raise DeploymentStartError(
+            f"a deployment named {name!r} is already running (supervisor pid {existing.supervisor_pid}, "
+            f"load balancer {existing.address}); stop it with `mii-server stop {name}` or pick another "
+            "deployment_name"
+        )
+    registry.remove(name, directory)
+
+
+def client(deployment_name_or_host_port: str = "", timeout: float | None = None) -> Client:
+    """A ``Client`` for a running deployment, by registry name (any process of this user) or ``host:port``.
+
+    An empty name means the demo model's default deployment name. Like MII, a model name is also
+    tried as ``<name>-mii-deployment``. Raises ``DeploymentNotFound`` when nothing matches.
+    """
+    target = deployment_name_or_host_port or default_deployment_name("")
+    for name in (target, default_deployment_name(target)):
+        record = registry.read(name) if "/" not in name else None
+        if record is None:
+            continue
+        if not record.is_alive():
+            registry.remove(name, only_pid=record.supervisor_pid)
+            continue
+        if record.state != "ready":
+            raise DeploymentNotFound(f"deployment {name!r} is {record.state}, not ready")
+        return Client(
+            record.address, deployment_name=name, timeout=timeout, supervisor_pid=record.supervisor_pid
+        )
+    host, sep, port = target.rpartition(":")
+    if sep and host and port.isdigit():
+        return Client(target, timeout=timeout)
+    raise DeploymentNotFound(
+        f"no running deployment named {target!r} in {registry.registry_dir()} "
+        f"(set {registry.ENV_VAR} if it was started with another registry), and it is not host:port"
+    )

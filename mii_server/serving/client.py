@@ -1,0 +1,208 @@
+"""``Client``: talks to a deployment's load balancer over gRPC (sync, streaming and asyncio).
+
+Imports neither torch nor the engine. Generate kwargs are validated here first (``UnknownArgument``
+/ ``InvalidRequest`` before any network traffic) and again by the replica. A failed RPC raises the
+typed error the server raised, with its message (``status.error_from_rpc``).
+
+Streaming yields ``StreamChunk`` objects: ``Response`` deltas whose ``prompt_index`` names the prompt
+(chunks of different prompts interleave; each prompt's last chunk has ``finish_reason != NONE``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import grpc
+
+from ..errors import ReplicaUnavailable
+from ..generation.params import GenerateParams
+from ..generation.response import Response
+from ..wire import convert, generation_pb2_grpc
+from ..wire import generation_pb2 as pb
+from . import grpc_common, registry
+from .status import error_from_rpc
+from .types import ReplicaStats, StreamChunk
+
+TERMINATE_WAIT_S = 120.0
+
+
+def _prompt_list(prompts: str | list[str]) -> list[str]:
+    from ..errors import InvalidRequest
+
+    prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
+    if not all(isinstance(p, str) for p in prompt_list):
+        raise InvalidRequest("prompts must be a string or a list of strings")
+    return prompt_list
+
+
+class Client:
+    """A connection to one deployment (its load balancer at ``address``, ``host:port``)."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        deployment_name: str = "",
+        timeout: float | None = None,
+        supervisor: subprocess.Popen | None = None,
+        supervisor_pid: int | None = None,
+    ) -> None:
+        self.address = address
+        self.deployment_name = deployment_name
+        self.timeout = timeout  # seconds per RPC; None waits as long as generation takes
+        self._supervisor = supervisor  # set by serve(): the process to reap on terminate
+        self._supervisor_pid_hint = supervisor_pid  # set by client(name), from the registry record
+        self._channel = grpc_common.channel(address)
+        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        self._aio: (
+            tuple[asyncio.AbstractEventLoop, grpc.aio.Channel, generation_pb2_grpc.GenerationStub] | None
+        ) = None
+
+    def __repr__(self) -> str:
+        return f"Client({self.address!r}, deployment_name={self.deployment_name!r})"
+
+    # ---- sync -------------------------------------------------------------------------------
+    def generate(self, prompts: str | list[str], **generate_kwargs: Any) -> list[Response]:
+        """One ``Response`` per prompt, in order, once all are finished."""
+        prompt_list, request = self._request(prompts, generate_kwargs)
+        if not prompt_list:
+            return []
+        try:
+            reply = self._stub.Generate(request, timeout=self.timeout)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, self.address) from None
+        return convert.reply_from_proto(reply, len(prompt_list))
+
+    __call__ = generate  # MII's client is callable too
+
+    def generate_stream(self, prompts: str | list[str], **generate_kwargs: Any) -> Iterator[StreamChunk]:
+        """Incremental chunks for every prompt as they are produced (see the module docstring).
+
+        Kwargs are validated now; breaking out of the loop cancels the request on the server.
+        """
+        prompt_list, request = self._request(prompts, generate_kwargs)
+        return self._stream(request) if prompt_list else iter(())
+
+    def _stream(self, request: pb.GenerateRequest) -> Iterator[StreamChunk]:
+        call = self._stub.GenerateStream(request, timeout=self.timeout)
+        try:
+            for msg in call:
+                yield convert.chunk_from_proto(msg)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, self.address) from None
+        finally:
+            call.cancel()  # no-op after a clean end
+
+    def stats(self) -> list[ReplicaStats]:
+        """Counters of every replica (down ones have ``healthy=False``)."""
+        try:
+            reply = self._stub.Stats(pb.StatsRequest(), timeout=30.0)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, self.address) from None
+        return [convert.stats_from_proto(r) for r in reply.replicas]
+
+    def terminate_server(self, wait: bool = True) -> None:
+        """Stop every process of the deployment; with ``wait``, return once they are gone."""
+        pid = self._supervisor_pid()
+        try:
+            self._stub.Terminate(pb.TerminateRequest(), timeout=60.0)
+        except grpc.RpcError as err:
+            error = error_from_rpc(err, self.address)
+            if not (
+                isinstance(error, ReplicaUnavailable) and pid is not None and not registry.pid_alive(pid)
+            ):
+                raise error from None
+        if wait:
+            self._wait_until_gone(pid)
+        self.close()
+
+    def _supervisor_pid(self) -> int | None:
+        if self._supervisor is not None:
+            return self._supervisor.pid
+        if self._supervisor_pid_hint is not None:
+            return self._supervisor_pid_hint
+        for record in registry.list_records():
+            if record.address == self.address and (
+                not self.deployment_name or record.name == self.deployment_name
+            ):
+                return record.supervisor_pid
+        return None
+
+    def _wait_until_gone(self, pid: int | None) -> None:
+        deadline = time.monotonic() + TERMINATE_WAIT_S
+        if self._supervisor is not None:
+            try:
+                self._supervisor.wait(timeout=TERMINATE_WAIT_S)  # also reaps it: no zombie
+            except subprocess.TimeoutExpired:
+                raise ReplicaUnavailable(
+                    f"deployment at {self.address} did not stop within {TERMINATE_WAIT_S}s"
+                )
+            return
+        while time.monotonic() < deadline:
+            if pid is not None and not registry.pid_alive(pid):
+                return
+            if pid is None and not grpc_common.is_serving(self._channel, timeout=0.5):
+                return
+            time.sleep(0.05)  # polling a condition, bounded by the deadline
+        raise ReplicaUnavailable(f"deployment at {self.address} did not stop within {TERMINATE_WAIT_S}s")
+
+    def close(self) -> None:
+        self._channel.close()
+        self._aio = None  # an aio channel is closed by its own loop's shutdown
+
+    def __enter__(self) -> Client:  # noqa: PYI034 - typing.Self needs Python 3.11
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- asyncio ----------------------------------------------------------------------------
+    async def agenerate(self, prompts: str | list[str], **generate_kwargs: Any) -> list[Response]:
+        """Async twin of ``generate``."""
+        prompt_list, request = self._request(prompts, generate_kwargs)
+        if not prompt_list:
+            return []
+        try:
+            reply = await self._aio_stub().Generate(request, timeout=self.timeout)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, self.address) from None
+        return convert.reply_from_proto(reply, len(prompt_list))
+
+    def agenerate_stream(
+        self, prompts: str | list[str], **generate_kwargs: Any
+    ) -> AsyncIterator[StreamChunk]:
+        """Async twin of ``generate_stream`` (``async for chunk in client.agenerate_stream(...)``)."""
+        prompt_list, request = self._request(prompts, generate_kwargs)
+        return self._astream(request, bool(prompt_list))
+
+    async def _astream(self, request: pb.GenerateRequest, any_prompt: bool) -> AsyncIterator[StreamChunk]:
+        if not any_prompt:
+            return
+        call = self._aio_stub().GenerateStream(request, timeout=self.timeout)
+        try:
+            async for msg in call:
+                yield convert.chunk_from_proto(msg)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, self.address) from None
+        finally:
+            call.cancel()
+
+    def _aio_stub(self) -> generation_pb2_grpc.GenerationStub:
+        # why per loop: a grpc.aio channel belongs to the event loop that created it
+        loop = asyncio.get_running_loop()
+        if self._aio is None or self._aio[0] is not loop:
+            channel = grpc_common.aio_channel(self.address)
+            self._aio = (loop, channel, generation_pb2_grpc.GenerationStub(channel))
+        return self._aio[2]
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _request(
+        self, prompts: str | list[str], kwargs: dict[str, Any]
+    ) -> tuple[list[str], pb.GenerateRequest]:
+        prompt_list = _prompt_list(prompts)
+        params = GenerateParams.from_kwargs(**kwargs)
+        return prompt_list, convert.request_to_proto(prompt_list, params)

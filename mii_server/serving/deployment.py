@@ -1,0 +1,195 @@
+"""Deployment configuration: how many replicas, which ports, which front ends (MII's ``MIIConfig``).
+
+``DeploymentConfig.from_kwargs(model, **kwargs)`` splits ``serve()``'s kwargs between this config
+and ``ModelConfig``; a name neither knows raises ``UnknownArgument`` before anything starts.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ..config import ModelConfig
+from ..errors import InvalidRequest, UnknownArgument
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+DeviceMap = Literal["auto"] | int | list[int] | list[list[int]] | dict[str, list[list[int]]]
+
+
+class DeploymentConfig(BaseModel):
+    """One deployment: its name, process layout and ports. Travels to every child as JSON."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="What every replica loads.")
+    deployment_name: str = Field(
+        default="",
+        description="Name in the registry and in the REST path; empty means '<model basename>-mii-deployment' "
+        "('mii-server-demo-mii-deployment' for the built-in demo model).",
+    )
+    replica_num: int = Field(default=1, ge=1, le=256, description="Independent copies of the model.")
+    host: str = Field(
+        default="127.0.0.1",
+        description="Address the load balancer and replicas bind and dial (gRPC has no auth: keep it "
+        "on loopback unless the network is trusted).",
+    )
+    port_number: int = Field(
+        default=50050,
+        ge=1,
+        le=65535,
+        description="Load balancer's gRPC port; replica i listens on port_number + 1 + i * tensor_parallel.",
+    )
+    enable_restful_api: bool = Field(default=False, description="Start the REST gateway.")
+    restful_api_host: str = Field(default="127.0.0.1", description="Address the REST gateway binds.")
+    restful_api_port: int = Field(default=28080, ge=1, le=65535, description="REST gateway's HTTP port.")
+    restful_api_threads: int = Field(
+        default=32, ge=1, le=1024, description="Worker threads of the REST gateway's WSGI server (waitress)."
+    )
+    device_map: DeviceMap = Field(
+        default="auto",
+        description="GPUs per replica: 'auto' (contiguous groups of tensor_parallel), an int, a list of ints "
+        "(one replica), a list of lists (one per replica) or {'localhost': [[...], ...]} as in MII.",
+    )
+    registry_dir: str = Field(
+        default="",
+        description="Directory of deployment records; empty means $MII_SERVER_REGISTRY or a per-user default.",
+    )
+    startup_timeout_s: float = Field(
+        default=900.0, gt=0, description="Seconds every process gets to load and answer health."
+    )
+    max_restarts: int = Field(
+        default=10,
+        ge=0,
+        description="Times the supervisor restarts one child that died before giving up on it.",
+    )
+
+    @field_validator("device_map", mode="before")
+    @classmethod
+    def _device_map_shape(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            hosts = set(value)
+            if hosts - {"localhost"}:
+                raise ValueError(f"device_map names hosts {sorted(hosts)}; only 'localhost' is supported")
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_name(cls, data: Any) -> Any:
+        # The default name depends on the model, so it is filled in before field validation.
+        if isinstance(data, dict) and not data.get("deployment_name"):
+            model = data.get("model")
+            path = (
+                model.model_name_or_path
+                if isinstance(model, ModelConfig)
+                else (model or {}).get("model_name_or_path", "")
+            )
+            data = {**data, "deployment_name": default_deployment_name(path)}
+        return data
+
+    @field_validator("deployment_name")
+    @classmethod
+    def _name_is_safe(cls, name: str) -> str:
+        # It becomes a file name in the registry and a path segment of the REST URL.
+        if not _NAME_RE.match(name):
+            raise ValueError(
+                f"deployment_name {name!r} must be 1-128 characters of letters, digits, '.', '_' or '-'"
+            )
+        return name
+
+    @model_validator(mode="after")
+    def _ports_and_devices_agree(self) -> DeploymentConfig:
+        top = self.replica_ports[-1] if self.replica_ports else self.port_number
+        if top > 65535:
+            raise ValueError(f"replica ports run past 65535 (port_number={self.port_number})")
+        if len(self.gpu_groups) not in (0, self.replica_num):
+            raise ValueError(
+                f"device_map gives {len(self.gpu_groups)} GPU groups for {self.replica_num} replicas"
+            )
+        bad = [g for g in self.gpu_groups if len(g) != self.model.tensor_parallel]
+        if bad:
+            raise ValueError(
+                f"device_map groups {bad} do not have tensor_parallel={self.model.tensor_parallel} GPUs"
+            )
+        return self
+
+    # ---- derived values -------------------------------------------------------------------
+    @property
+    def lb_address(self) -> str:
+        return f"{self.host}:{self.port_number}"
+
+    @property
+    def replica_ports(self) -> list[int]:
+        step = self.model.tensor_parallel
+        return [self.port_number + 1 + i * step for i in range(self.replica_num)]
+
+    @property
+    def replica_addresses(self) -> list[str]:
+        return [f"{self.host}:{p}" for p in self.replica_ports]
+
+    @property
+    def rest_url(self) -> str | None:
+        if not self.enable_restful_api:
+            return None
+        return f"http://{self.restful_api_host}:{self.restful_api_port}/mii/{self.deployment_name}"
+
+    @property
+    def gpu_groups(self) -> list[list[int]]:
+        """Explicit GPU indices per replica; empty for 'auto' (the supervisor decides at launch)."""
+        dm = self.device_map
+        if dm == "auto":
+            return []
+        if isinstance(dm, int):
+            return [[dm]]
+        if isinstance(dm, dict):
+            return [list(g) for g in dm.get("localhost", [])]
+        if dm and all(isinstance(x, int) for x in dm):
+            return [list(dm)]  # type: ignore[arg-type]
+        return [list(g) for g in dm]  # type: ignore[union-attr]
+
+    def ports_in_use_by_deployment(self) -> dict[int, str]:
+        """Every TCP port this deployment listens on, with what listens there."""
+        ports = {self.port_number: "load balancer"}
+        for i, p in enumerate(self.replica_ports):
+            ports[p] = f"replica {i}"
+        if self.enable_restful_api:
+            ports[self.restful_api_port] = "REST gateway"
+        return ports
+
+    # ---- construction from kwargs -------------------------------------------------------------
+    @classmethod
+    def field_names(cls) -> frozenset[str]:
+        return frozenset(cls.model_fields) - {"model"}
+
+    @classmethod
+    def from_kwargs(cls, model_name_or_path: str = "", **kwargs: Any) -> DeploymentConfig:
+        """Split ``serve()`` kwargs between ModelConfig and this config.
+
+        ``UnknownArgument`` for names neither accepts, ``InvalidRequest`` for bad values.
+        """
+        model_keys = ModelConfig.field_names() - {"model_name_or_path"}
+        unknown = sorted(set(kwargs) - model_keys - cls.field_names())
+        if unknown:
+            raise UnknownArgument(
+                f"Keyword argument(s) {', '.join(unknown)} not recognized; serve() accepts "
+                f"{', '.join(sorted(model_keys | cls.field_names()))}"
+            )
+        model_kwargs = {k: v for k, v in kwargs.items() if k in model_keys}
+        own = {k: v for k, v in kwargs.items() if k not in model_keys}
+        model = ModelConfig.from_kwargs(model_name_or_path, **model_kwargs)
+        try:
+            return cls.model_validate({"model": model, **own})
+        except ValidationError as err:
+            raise InvalidRequest(f"invalid deployment configuration: {err}") from None
+
+
+def default_deployment_name(model_name_or_path: str) -> str:
+    """MII's rule: '<basename>-mii-deployment'; the demo model gets 'mii-server-demo-mii-deployment'."""
+    if not model_name_or_path:
+        return "mii-server-demo-mii-deployment"
+    base = os.path.basename(model_name_or_path.rstrip("/")) or "model"
+    base = re.sub(r"[^A-Za-z0-9._-]", "-", base)
+    return f"{base}-mii-deployment"

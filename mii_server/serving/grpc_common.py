@@ -1,0 +1,76 @@
+"""gRPC plumbing shared by every process: server and channel options, health service and checks."""
+
+from __future__ import annotations
+
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from ..wire import generation_pb2_grpc
+
+SERVICE_NAME = "mii_server.wire.Generation"
+MAX_MESSAGE_BYTES = 2**27  # MII's GRPC_MAX_MSG_SIZE
+
+_SIZE_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+SERVER_OPTIONS = _SIZE_OPTIONS + [
+    # why: with SO_REUSEPORT (gRPC's default) a second server binds an occupied port silently and
+    # steals half its traffic; a port in use must be an error instead.
+    ("grpc.so_reuseport", 0),
+]
+CHANNEL_OPTIONS = _SIZE_OPTIONS + [
+    # why: a restarted replica must be reachable within a second, not after gRPC's 2-minute backoff.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+def start_server(
+    servicer: generation_pb2_grpc.GenerationServicer, host: str, port: int, max_workers: int = 64
+) -> tuple[grpc.Server, health.HealthServicer]:
+    """Start a gRPC server with our service and grpc.health.v1 (NOT_SERVING until the caller says).
+
+    Raises ``OSError`` when the port cannot be bound.
+    """
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS)
+    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    set_serving(health_servicer, False)
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as err:  # grpcio >= 1.60 raises; older ones return 0
+        raise OSError(f"cannot listen on {host}:{port}: {err}") from None
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port} (in use?)")
+    server.start()
+    return server, health_servicer
+
+
+def set_serving(health_servicer: health.HealthServicer, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, status)
+
+
+def channel(address: str) -> grpc.Channel:
+    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def aio_channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def is_serving(ch: grpc.Channel, timeout: float = 1.0) -> bool:
+    """One grpc.health.v1 Check; False for NOT_SERVING, unreachable or slow."""
+    try:
+        reply = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=timeout
+        )
+    except grpc.RpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING

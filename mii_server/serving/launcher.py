@@ -1,0 +1,120 @@
+"""How a child process is started: ``python -m mii_server.launch --role R --config <b64 JSON>``.
+
+The config is url-safe base64 of JSON (never pickle) and carries no secret: secrets travel by
+environment. Children of the supervisor die with it (Linux ``PR_SET_PDEATHSIG``), so a killed
+supervisor leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .deployment import DeploymentConfig
+
+Role = Literal["supervisor", "replica", "load-balancer", "rest-gateway"]
+ROLES: tuple[Role, ...] = ("supervisor", "replica", "load-balancer", "rest-gateway")
+PARENT_PID_ENV = "MII_SERVER_PARENT_PID"
+
+
+class LaunchSpec(BaseModel):
+    """Everything one child needs: the deployment, and for a replica which one it is."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    deployment: DeploymentConfig = Field(description="The whole deployment's configuration.")
+    replica_index: int | None = Field(default=None, ge=0, description="Which replica (role replica only).")
+
+
+def encode(spec: LaunchSpec) -> str:
+    return base64.urlsafe_b64encode(spec.model_dump_json().encode()).decode("ascii")
+
+
+def decode(text: str) -> LaunchSpec:
+    return LaunchSpec.model_validate_json(base64.urlsafe_b64decode(text.encode("ascii")))
+
+
+def command(role: Role, spec: LaunchSpec) -> list[str]:
+    return [sys.executable, "-m", "mii_server.launch", "--role", role, "--config", encode(spec)]
+
+
+try:  # loaded here, not in the child: dlopen between fork and exec can deadlock
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL("libc.so.6", use_errno=True)
+except OSError:  # not Linux: the supervisor's teardown is then the only guard
+    _LIBC = None
+
+
+def _die_with_parent() -> None:
+    """Runs in the child between fork and exec: ask the kernel to SIGKILL it when its parent dies."""
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def spawn(
+    role: Role,
+    spec: LaunchSpec,
+    log_path: Path,
+    *,
+    detach: bool,
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen:
+    """Start a child with stdout and stderr appended to ``log_path``.
+
+    ``detach=True`` (the supervisor started by ``serve()``): a new session, so the deployment outlives
+    the calling script and its terminal's Ctrl-C. ``detach=False`` (children of the supervisor): also
+    a new session (Ctrl-C reaches only the supervisor, which tears down in order), but killed when
+    the supervisor dies.
+    """
+    child_env = dict(os.environ if env is None else env)
+    child_env["PYTHONUNBUFFERED"] = "1"
+    if detach:
+        child_env.pop(PARENT_PID_ENV, None)
+    else:
+        child_env[PARENT_PID_ENV] = str(os.getpid())
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            command(role, spec),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=child_env,
+            start_new_session=True,
+            # why preexec_fn: PR_SET_PDEATHSIG has no other spelling; it only calls a preloaded prctl
+            preexec_fn=None if detach else _die_with_parent,  # noqa: PLW1509
+            close_fds=True,
+        )
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    """The last ``lines`` lines of a log file ('' if none)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 64 * 1024))
+            data = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(data.splitlines()[-lines:])
+
+
+def stop_group(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    """SIGTERM the process group led by ``proc``, SIGKILL it after ``timeout``, and reap ``proc``."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=timeout)
+            return
+        except subprocess.TimeoutExpired:
+            continue

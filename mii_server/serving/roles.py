@@ -1,0 +1,107 @@
+"""Process entry points, one per role: set up, serve until told to stop, shut down, exit 0.
+
+Exit status 0 means "stopped on request"; the supervisor restarts a child only after any other
+status (see ``supervisor``). SIGTERM and SIGINT are requests to stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+
+from . import grpc_common
+from .launcher import PARENT_PID_ENV, LaunchSpec
+
+log = logging.getLogger(__name__)
+
+
+def setup_logging(role: str) -> None:
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s {role}[%(process)d] %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _stop_on_signals(stop: threading.Event) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+
+
+def _check_parent() -> None:
+    """Exit if the supervisor died before this child could arm PR_SET_PDEATHSIG."""
+    expected = os.environ.get(PARENT_PID_ENV)
+    if expected and os.getppid() != int(expected):
+        log.error("supervisor %s is gone; exiting", expected)
+        sys.exit(1)
+
+
+def run_replica(spec: LaunchSpec) -> int:
+    """Rank 0 of one replica: gRPC (NOT_SERVING while the model loads), then the engine."""
+    from .engine_driver import EngineDriver  # why here: only replicas import torch
+    from .replica import ReplicaServicer
+
+    _check_parent()
+    cfg = spec.deployment
+    index = spec.replica_index or 0
+    address = cfg.replica_addresses[index]
+    servicer = ReplicaServicer(index, address)
+    _stop_on_signals(servicer.stop_requested)
+    server, health = grpc_common.start_server(servicer, cfg.host, cfg.replica_ports[index], max_workers=256)
+    log.info("replica %d listening on %s; loading %r", index, address, cfg.model.model_name_or_path or "demo")
+    driver = EngineDriver(cfg.model)
+    try:
+        servicer.attach(driver)
+        grpc_common.set_serving(health, True)
+        log.info("replica %d serving", index)
+        servicer.stop_requested.wait()
+        grpc_common.set_serving(health, False)
+        server.stop(grace=5).wait()
+    finally:
+        driver.shutdown()
+    log.info("replica %d stopped", index)
+    return 0
+
+
+def run_load_balancer(spec: LaunchSpec) -> int:
+    from .load_balancer import LoadBalancer
+
+    _check_parent()
+    cfg = spec.deployment
+    balancer = LoadBalancer(cfg.replica_addresses)
+    _stop_on_signals(balancer.stop_requested)
+    server, health = grpc_common.start_server(balancer, cfg.host, cfg.port_number, max_workers=256)
+    monitor = threading.Thread(
+        target=balancer.monitor, args=(lambda up: grpc_common.set_serving(health, up),), daemon=True
+    )
+    monitor.start()
+    log.info("load balancer on %s over %s", cfg.lb_address, ", ".join(cfg.replica_addresses))
+    balancer.stop_requested.wait()
+    grpc_common.set_serving(health, False)
+    server.stop(grace=5).wait()
+    balancer.close()
+    return 0
+
+
+def run_rest_gateway(spec: LaunchSpec) -> int:
+    from .rest_gateway import serve_rest_gateway
+
+    _check_parent()
+    return serve_rest_gateway(spec.deployment)
+
+
+def run_supervisor(spec: LaunchSpec) -> int:
+    from .supervisor import Supervisor
+
+    return Supervisor(spec.deployment).run()
+
+
+RUNNERS = {
+    "supervisor": run_supervisor,
+    "replica": run_replica,
+    "load-balancer": run_load_balancer,
+    "rest-gateway": run_rest_gateway,
+}

@@ -1,0 +1,119 @@
+"""The one place that maps typed errors to gRPC status codes and HTTP statuses, and back.
+
+Servers call :func:`abort_rpc` (or :func:`grpc_status_of`) with a caught exception; clients call
+:func:`error_from_rpc` on a ``grpc.RpcError`` and get the same exception type the server raised,
+carrying the server's message. The type travels in trailing metadata (``mii-error``) because several
+types share one status code.
+"""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+import grpc
+
+from .. import errors
+
+ERROR_METADATA_KEY = "mii-error"
+
+# Error type -> (gRPC code, HTTP status). Order matters only for subclasses (none overlap here).
+_TABLE: dict[type[errors.MIIServerError], tuple[grpc.StatusCode, int]] = {
+    errors.UnknownArgument: (grpc.StatusCode.INVALID_ARGUMENT, 400),
+    errors.InvalidRequest: (grpc.StatusCode.INVALID_ARGUMENT, 400),
+    errors.UnsupportedModel: (grpc.StatusCode.FAILED_PRECONDITION, 400),
+    errors.CapacityExceeded: (grpc.StatusCode.RESOURCE_EXHAUSTED, 503),
+    errors.DeploymentNotFound: (grpc.StatusCode.NOT_FOUND, 404),
+    errors.DeploymentStartError: (grpc.StatusCode.INTERNAL, 500),
+    errors.ReplicaUnavailable: (grpc.StatusCode.UNAVAILABLE, 503),
+    errors.EngineDead: (grpc.StatusCode.UNAVAILABLE, 503),
+}
+_BY_NAME: dict[str, type[errors.MIIServerError]] = {cls.__name__: cls for cls in _TABLE}
+
+# Codes with no error name attached (transport failures, foreign servers) -> what the caller sees.
+_FALLBACK: dict[grpc.StatusCode, type[errors.MIIServerError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidRequest,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.CapacityExceeded,
+    grpc.StatusCode.NOT_FOUND: errors.DeploymentNotFound,
+    grpc.StatusCode.UNAVAILABLE: errors.ReplicaUnavailable,
+}
+
+
+def _classify(exc: BaseException) -> tuple[type[errors.MIIServerError] | None, grpc.StatusCode, int]:
+    for cls, (code, http) in _TABLE.items():
+        if isinstance(exc, cls):
+            return cls, code, http
+    return None, grpc.StatusCode.INTERNAL, 500
+
+
+def grpc_status_of(exc: BaseException) -> grpc.StatusCode:
+    return _classify(exc)[1]
+
+
+def http_status_of(exc: BaseException) -> int:
+    """HTTP status for an error: 400 bad request, 404, 503 overloaded/unavailable, 500 otherwise."""
+    return _classify(exc)[2]
+
+
+def error_name_of(exc: BaseException) -> str:
+    cls = _classify(exc)[0]
+    return cls.__name__ if cls is not None else "InternalError"
+
+
+def abort_rpc(context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
+    """End the current RPC with the status that ``exc`` maps to (raises, as ``context.abort`` does)."""
+    cls, code, _ = _classify(exc)
+    if cls is not None:
+        context.set_trailing_metadata(((ERROR_METADATA_KEY, cls.__name__),))
+        message = str(exc)
+    else:
+        message = f"internal error: {type(exc).__name__}: {exc}"
+    context.abort(code, message)
+    raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
+
+
+def forward_rpc_error(context: grpc.ServicerContext, err: grpc.RpcError) -> NoReturn:
+    """Re-raise an upstream RPC's failure to our own caller with the same code, message and type."""
+    name = _error_name_from_metadata(err)
+    if name is not None:
+        context.set_trailing_metadata(((ERROR_METADATA_KEY, name),))
+    context.abort(_code_of(err), _details_of(err))
+    raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
+
+
+def error_from_rpc(err: grpc.RpcError, where: str = "") -> errors.MIIServerError:
+    """The typed exception a failed RPC stands for, with the server's message (client side)."""
+    code = _code_of(err)
+    details = _details_of(err)
+    name = _error_name_from_metadata(err)
+    if name in _BY_NAME:
+        return _BY_NAME[name](details)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return errors.ReplicaUnavailable(
+            f"deployment{' at ' + where if where else ''} is unreachable: {details}"
+        )
+    cls = _FALLBACK.get(code, errors.MIIServerError)
+    return cls(f"{code.name}: {details}")
+
+
+def is_retryable(err: grpc.RpcError) -> bool:
+    """True for failures that say nothing was done (replica down or dying): safe to send elsewhere."""
+    return _code_of(err) == grpc.StatusCode.UNAVAILABLE
+
+
+def _code_of(err: grpc.RpcError) -> grpc.StatusCode:
+    code = getattr(err, "code", None)
+    return code() if callable(code) else grpc.StatusCode.UNKNOWN
+
+
+def _details_of(err: grpc.RpcError) -> str:
+    details = getattr(err, "details", None)
+    return (details() if callable(details) else None) or str(err)
+
+
+def _error_name_from_metadata(err: grpc.RpcError) -> str | None:
+    trailing = getattr(err, "trailing_metadata", None)
+    metadata = trailing() if callable(trailing) else None
+    for key, value in metadata or ():
+        if key == ERROR_METADATA_KEY:
+            return value if isinstance(value, str) else value.decode()
+    return None

@@ -1,0 +1,229 @@
+"""The supervisor: starts every process of a deployment, waits until all answer health, restarts
+what dies, and tears everything down on terminate.
+
+Protocol with its children: a child that exits with status 0 was told to stop (Terminate RPC or
+SIGTERM) and is not restarted; the load balancer exiting with 0 means the deployment was terminated,
+so the supervisor stops the rest, removes the registry record and exits. Any other exit is a crash:
+during start-up it fails the whole deployment (with that child's log tail), afterwards the child is
+restarted (up to ``max_restarts`` times).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import DeploymentStartError
+from . import devices, grpc_common, launcher, registry
+from .deployment import DeploymentConfig
+from .launcher import LaunchSpec, Role
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.2
+STOP_GRACE_S = 15.0
+
+
+@dataclass
+class Child:
+    """One supervised process."""
+
+    role: Role
+    index: int | None  # replica index, None for the other roles
+    log_path: Path
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    stopped: bool = False  # exited with 0 on request: not restarted
+
+    @property
+    def label(self) -> str:
+        return f"replica {self.index}" if self.role == "replica" else self.role.replace("-", " ")
+
+
+class Supervisor:
+    """Owns the process tree of one deployment. ``run()`` blocks until the deployment is gone."""
+
+    def __init__(self, config: DeploymentConfig) -> None:
+        self.config = config
+        self.stop = threading.Event()
+        self.log_dir = registry.log_dir(config.deployment_name, config.registry_dir)
+        self.children = self._plan()
+
+    def _plan(self) -> list[Child]:
+        cfg = self.config
+        gpus = devices.replica_gpus(cfg.replica_num, cfg.model.tensor_parallel, cfg.gpu_groups)
+        children = []
+        for i in range(cfg.replica_num):
+            env = dict(os.environ)
+            if gpus is not None:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i])
+            children.append(Child("replica", i, self.log_dir / f"replica-{i}.log", env))
+        children.append(Child("load-balancer", None, self.log_dir / "load-balancer.log", dict(os.environ)))
+        if cfg.enable_restful_api:
+            children.append(Child("rest-gateway", None, self.log_dir / "rest-gateway.log", dict(os.environ)))
+        return children
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def run(self) -> int:
+        """Start, wait until ready, watch, tear down. Returns the process exit status."""
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda *_: self.stop.set())
+        self._write_record("starting")
+        try:
+            for child in self.children:
+                self._spawn(child)
+            self._wait_ready()
+        except DeploymentStartError as err:
+            log.error("%s", err)
+            self._teardown()
+            self._write_record("failed", error=str(err))
+            return 1
+        if self.stop.is_set():
+            self._teardown()
+            registry.remove(self.config.deployment_name, self.config.registry_dir, only_pid=os.getpid())
+            return 0
+        self._write_record("ready")
+        log.info(
+            "deployment %s ready: load balancer at %s", self.config.deployment_name, self.config.lb_address
+        )
+        self._watch()
+        self._write_record("stopping")
+        self._teardown()
+        registry.remove(self.config.deployment_name, self.config.registry_dir, only_pid=os.getpid())
+        log.info("deployment %s stopped", self.config.deployment_name)
+        return 0
+
+    def _spawn(self, child: Child) -> None:
+        spec = LaunchSpec(deployment=self.config, replica_index=child.index)
+        child.proc = launcher.spawn(child.role, spec, child.log_path, detach=False, env=child.env)
+        log.info("started %s (pid %d), log %s", child.label, child.proc.pid, child.log_path)
+
+    def _wait_ready(self) -> None:
+        """Return once every child answers health; raise ``DeploymentStartError`` if one dies first."""
+        cfg = self.config
+        deadline = time.monotonic() + cfg.startup_timeout_s
+        channels = {}
+        for child in self.children:
+            if child.role == "replica":
+                channels[id(child)] = grpc_common.channel(cfg.replica_addresses[child.index])
+            elif child.role == "load-balancer":
+                channels[id(child)] = grpc_common.channel(cfg.lb_address)
+        waiting = list(self.children)
+        try:
+            while waiting and not self.stop.is_set():
+                for child in list(waiting):
+                    code = child.proc.poll()
+                    if code is not None:
+                        raise DeploymentStartError(
+                            f"{child.label} of deployment {cfg.deployment_name} exited with status {code} "
+                            f"during start-up; last lines of {child.log_path}:\n{launcher.log_tail(child.log_path)}"
+                        )
+                    if self._answers(child, channels.get(id(child))):
+                        log.info("%s is serving", child.label)
+                        waiting.remove(child)
+                if time.monotonic() > deadline:
+                    names = ", ".join(c.label for c in waiting)
+                    tails = "\n".join(
+                        f"--- {c.log_path}:\n{launcher.log_tail(c.log_path, 15)}" for c in waiting
+                    )
+                    raise DeploymentStartError(
+                        f"{names} did not answer health within {cfg.startup_timeout_s:.0f}s\n{tails}"
+                    )
+                if waiting:
+                    self.stop.wait(POLL_S)
+        finally:
+            for ch in channels.values():
+                ch.close()
+
+    def _answers(self, child: Child, channel) -> bool:
+        if channel is not None:
+            return grpc_common.is_serving(channel, timeout=1.0)
+        url = f"http://{self.config.restful_api_host}:{self.config.restful_api_port}/healthz"
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as reply:
+                return reply.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def _watch(self) -> None:
+        """Restart crashed children until terminate (load balancer exits 0) or a signal."""
+        while not self.stop.wait(POLL_S):
+            for child in self.children:
+                code = child.proc.poll() if child.proc is not None else None
+                if code is None or child.stopped:
+                    continue
+                if code == 0:
+                    child.stopped = True
+                    log.info("%s stopped on request", child.label)
+                    if child.role == "load-balancer":
+                        self.stop.set()  # Terminate reached the load balancer: the deployment ends
+                    continue
+                if child.restarts >= self.config.max_restarts:
+                    child.stopped = True
+                    log.error(
+                        "%s died with status %d and was restarted %d times; giving up on it",
+                        child.label,
+                        code,
+                        child.restarts,
+                    )
+                    continue
+                child.restarts += 1
+                log.warning(
+                    "%s died with status %d; restarting (%d/%d); log tail:\n%s",
+                    child.label,
+                    code,
+                    child.restarts,
+                    self.config.max_restarts,
+                    launcher.log_tail(child.log_path, 10),
+                )
+                self._spawn(child)
+
+    def _teardown(self) -> None:
+        """SIGTERM every live child, SIGKILL the ones still alive after a grace period, reap all."""
+        live = [c.proc for c in self.children if c.proc is not None and c.proc.poll() is None]
+        for proc in live:
+            _signal(proc, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for proc in live:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("pid %d ignored SIGTERM; killing it", proc.pid)
+                _signal(proc, signal.SIGKILL)
+                proc.wait()
+
+    def _write_record(self, state: registry.State, error: str = "") -> None:
+        cfg = self.config
+        registry.write(
+            registry.DeploymentRecord(
+                name=cfg.deployment_name,
+                state=state,
+                supervisor_pid=os.getpid(),
+                address=cfg.lb_address,
+                replica_addresses=cfg.replica_addresses,
+                rest_url=cfg.rest_url,
+                log_dir=str(self.log_dir),
+                model=cfg.model.model_name_or_path,
+                error=error,
+            ),
+            cfg.registry_dir,
+        )
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        # each child leads its own session; signal the group so helpers it started (TP ranks) go too
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        proc.send_signal(sig)
