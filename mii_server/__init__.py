@@ -23,3 +23,24 @@ def pipeline(model_name_or_path: str = "", **model_kwargs: Any) -> Pipeline:
     from .in_process import pipeline as _pipeline
 
     return _pipeline(model_name_or_path, **model_kwargs)
+
+
+# ---- deployments (mii_server.serving.api; imports no torch) -----------------------------------
+if TYPE_CHECKING:
+    from .serving.client import Client
+
+__all__ += ["client", "serve"]
+
+
+def serve(model_name_or_path: str = "", **kwargs: Any) -> Client:
+    """Start a deployment and return its client; see ``mii_server.serving.api.serve``."""
+    from .serving.api import serve as _serve
+
+    return _serve(model_name_or_path, **kwargs)
+
+
+def client(deployment_name_or_host_port: str = "", timeout: float | None = None) -> Client:
+    """A client for a running deployment; see ``mii_server.serving.api.client``."""
+    from .serving.api import client as _client
+
+    return _client(deployment_name_or_host_port, timeout=timeout)
