@@ -1,0 +1,71 @@
+"""In-process fake replicas (no torch): answer with the prompt and their own name, so routing shows."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import grpc
+
+from mii_server.errors import CapacityExceeded, InvalidRequest
+from mii_server.generation.response import FinishReason, Response
+from mii_server.serving import grpc_common
+from mii_server.serving.status import abort_rpc
+from mii_server.wire import convert, generation_pb2_grpc
+from mii_server.wire import generation_pb2 as pb
+
+
+class FakeReplica(generation_pb2_grpc.GenerationServicer):
+    """Generate: '<prompt>@<name>'; stream: one chunk per character of that. 'bad' -> InvalidRequest."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.prompts: list[str] = []
+        self.terminated = threading.Event()
+        self.cancelled = threading.Event()
+
+    def _text(self, prompt: str, context: grpc.ServicerContext) -> str:
+        if prompt == "bad":
+            abort_rpc(context, InvalidRequest(f"prompt 'bad' refused by {self.name}"))
+        if prompt == "full":
+            abort_rpc(context, CapacityExceeded("no KV blocks left"))
+        self.prompts.append(prompt)
+        return f"{prompt}@{self.name}"
+
+    def Generate(self, request, context):
+        out = []
+        for i, prompt in enumerate(request.prompts):
+            text = self._text(prompt, context)
+            out.append(convert.completion_to_proto(Response(text, len(prompt), len(text), FinishReason.STOP), i))
+        return pb.GenerateReply(completions=out)
+
+    def GenerateStream(self, request, context) -> Iterator[pb.Completion]:
+        context.add_callback(lambda: None if context.is_active() else self.cancelled.set())
+        texts = [self._text(p, context) for p in request.prompts]
+        if request.params.HasField("max_new_tokens") and request.params.max_new_tokens == 999:
+            # endless stream: the test cancels it
+            while context.is_active():
+                yield convert.completion_to_proto(Response(".", 1, 1, FinishReason.NONE), 0)
+                self.cancelled.wait(0.01)
+            return
+        longest = max((len(t) for t in texts), default=0)
+        for step in range(longest):  # interleave prompts, like a real batch
+            for i, text in enumerate(texts):
+                if step < len(text):
+                    done = step == len(text) - 1
+                    reason = FinishReason.STOP if done else FinishReason.NONE
+                    yield convert.completion_to_proto(Response(text[step], 1, step + 1, reason), i)
+
+    def Stats(self, request, context):
+        return pb.StatsReply(replicas=[pb.ReplicaStats(pid=1, prompts_received=len(self.prompts))])
+
+    def Terminate(self, request, context):
+        self.terminated.set()
+        return pb.TerminateReply()
+
+
+def start_fake(name: str, port: int) -> tuple[FakeReplica, grpc.Server]:
+    fake = FakeReplica(name)
+    server, health = grpc_common.start_server(fake, "127.0.0.1", port, max_workers=16)
+    grpc_common.set_serving(health, True)
+    return fake, server

@@ -1,0 +1,55 @@
+"""Helpers for server tests: free ports, process trees, waiting on conditions (never sleep-and-hope)."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from mii_server.serving.ports import port_is_free
+
+
+def free_port_block(count: int, host: str = "127.0.0.1") -> int:
+    """A base port such that base..base+count-1 are all free now (random, so parallel runs differ)."""
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(200):
+        base = rng.randrange(20000, 60000 - count)
+        if all(port_is_free(host, base + i) for i in range(count)):
+            return base
+    raise RuntimeError("no free block of ports found")
+
+
+def wait_for(condition: Callable[[], object], timeout: float, what: str, interval: float = 0.05) -> object:
+    """Poll ``condition`` until truthy; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live descendant of ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    out: set[int] = set()
+    stack = [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in out:
+                out.add(child)
+                stack.append(child)
+    return out

@@ -1,0 +1,142 @@
+"""Load balancer against in-process fake replicas: per-prompt round robin, order, streaming, failures."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from mii_server.errors import CapacityExceeded, InvalidRequest, ReplicaUnavailable
+from mii_server.generation.response import FinishReason
+from mii_server.serving import grpc_common
+from mii_server.serving.client import Client
+from mii_server.serving.load_balancer import LoadBalancer
+from mii_server.wire import generation_pb2 as pb
+
+from .fakes import FakeReplica, start_fake
+from .helpers import free_port_block, wait_for
+
+
+@pytest.fixture()
+def cluster() -> Iterator[tuple[Client, LoadBalancer, list[FakeReplica], list]]:
+    base = free_port_block(3)
+    fakes, servers = zip(*(start_fake(f"r{i}", base + 1 + i) for i in range(2)), strict=True)
+    balancer = LoadBalancer([f"127.0.0.1:{base + 1}", f"127.0.0.1:{base + 2}"])
+    server, health = grpc_common.start_server(balancer, "127.0.0.1", base, max_workers=32)
+    grpc_common.set_serving(health, True)
+    client = Client(f"127.0.0.1:{base}")
+    yield client, balancer, list(fakes), list(servers)
+    client.close()
+    server.stop(0)
+    for s in servers:
+        s.stop(0)
+    balancer.close()
+
+
+def test_prompts_are_spread_per_prompt_and_reassembled_in_order(cluster) -> None:
+    client, _, fakes, _ = cluster
+    prompts = [f"p{i}" for i in range(9)]
+    out = client.generate(prompts)
+    assert [r.generated_text.split("@")[0] for r in out] == prompts
+    assert [r.generated_text.split("@")[1] for r in out] == ["r0", "r1"] * 4 + ["r0"]
+    assert len(fakes[0].prompts) == 5 and len(fakes[1].prompts) == 4
+    stats = client.stats()
+    assert [s.prompts_routed for s in stats] == [5, 4] and all(s.healthy for s in stats)
+
+
+def test_streaming_several_prompts_merges_chunks_in_order_per_prompt(cluster) -> None:
+    client, _, _, _ = cluster
+    prompts = ["alpha", "be", "gamma!"]
+    pieces: dict[int, list[str]] = {}
+    finals = {}
+    for chunk in client.generate_stream(prompts):
+        assert chunk.prompt_index not in finals, "a chunk after the final one"
+        pieces.setdefault(chunk.prompt_index, []).append(chunk.generated_text)
+        if chunk.finish_reason is not FinishReason.NONE:
+            finals[chunk.prompt_index] = chunk
+    texts = {i: "".join(p) for i, p in pieces.items()}
+    assert texts == {0: "alpha@r0", 1: "be@r1", 2: "gamma!@r0"}
+
+
+def test_a_down_replica_is_skipped(cluster) -> None:
+    client, balancer, _, servers = cluster
+    servers[1].stop(0).wait()
+    out = client.generate([f"q{i}" for i in range(4)])  # the first call finds r1 down and retries on r0
+    assert all(r.generated_text.endswith("@r0") for r in out)
+    assert not balancer.router.is_up(1)
+    stream = list(client.generate_stream(["ab", "cd"]))
+    assert {c.generated_text for c in stream} <= set("abcd@r0")
+    health = client.stats()
+    assert [s.healthy for s in health] == [True, False]
+    servers[0].stop(0).wait()
+    with pytest.raises(ReplicaUnavailable):
+        client.generate(["x"])
+
+
+def test_replica_errors_reach_the_client_typed_with_their_message(cluster) -> None:
+    client, _, _, _ = cluster
+    with pytest.raises(InvalidRequest, match="prompt 'bad' refused by r"):
+        client.generate(["ok", "bad", "ok"])
+    with pytest.raises(CapacityExceeded, match="no KV blocks left"):
+        list(client.generate_stream(["full"]))
+
+
+def test_client_side_validation_happens_before_any_rpc(cluster) -> None:
+    client, _, fakes, _ = cluster
+    from mii_server.errors import UnknownArgument
+
+    with pytest.raises(UnknownArgument, match="temprature"):
+        client.generate(["a"], temprature=0.5)
+    with pytest.raises(InvalidRequest):
+        client.generate_stream(["a"], top_p=2.0)
+    assert fakes[0].prompts == [] and fakes[1].prompts == []
+    assert client.generate([]) == []
+
+
+def test_leaving_a_stream_cancels_it_on_the_replica(cluster) -> None:
+    client, _, fakes, _ = cluster
+    stream = client.generate_stream(["endless"], max_new_tokens=999)
+    next(stream)
+    stream.close()
+    wait_for(lambda: fakes[0].cancelled.is_set() or fakes[1].cancelled.is_set(), 10, "the replica to see cancel")
+
+
+def test_terminate_fans_out_to_every_replica(cluster) -> None:
+    client, balancer, fakes, _ = cluster
+    client._stub.Terminate(pb.TerminateRequest())
+    assert all(f.terminated.is_set() for f in fakes)
+    assert balancer.stop_requested.is_set()
+
+
+def test_async_twins(cluster) -> None:
+    import asyncio
+
+    client, _, _, _ = cluster
+
+    async def main() -> tuple[list[str], dict[int, str]]:
+        out = await client.agenerate(["a", "b"])
+        texts: dict[int, str] = {}
+        async for chunk in client.agenerate_stream(["xy", "z"]):
+            texts[chunk.prompt_index] = texts.get(chunk.prompt_index, "") + chunk.generated_text
+        return [r.generated_text for r in out], texts
+
+    plain, streamed = asyncio.run(main())
+    assert [t.split("@")[0] for t in plain] == ["a", "b"]
+    assert {i: t.split("@")[0] for i, t in streamed.items()} == {0: "xy", 1: "z"}
+
+
+def test_many_threads_share_one_client(cluster) -> None:
+    client, _, fakes, _ = cluster
+    results: dict[int, list[str]] = {}
+
+    def worker(t: int) -> None:
+        results[t] = [r.generated_text.split("@")[0] for r in client.generate([f"t{t}-{i}" for i in range(5)])]
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert results == {t: [f"t{t}-{i}" for i in range(5)] for t in range(4)}
+    assert len(fakes[0].prompts) == len(fakes[1].prompts) == 10

@@ -1,0 +1,84 @@
+"""REST gateway app with a stand-in client: body parsing, status codes, SSE framing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mii_server.errors import CapacityExceeded
+from mii_server.generation.params import GenerateParams
+from mii_server.generation.response import FinishReason, Response
+from mii_server.serving.rest_gateway import create_app
+from mii_server.serving.types import StreamChunk
+
+
+class StandInClient:
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[str], dict]] = []
+
+    def generate(self, prompts, **kwargs):
+        GenerateParams.from_kwargs(**kwargs)  # the real client validates like this
+        self.calls.append((prompts, kwargs))
+        if prompts == ["overload"]:
+            raise CapacityExceeded("busy")
+        return [Response(p.upper(), 1, 1, FinishReason.STOP, [1]) for p in prompts]
+
+    def generate_stream(self, prompts, **kwargs):
+        GenerateParams.from_kwargs(**kwargs)
+        return iter([StreamChunk(c, 1, n + 1, FinishReason.NONE, [n], prompt_index=0) for n, c in enumerate("ab")])
+
+
+@pytest.fixture()
+def http():
+    stand_in = StandInClient()
+    return create_app("dep", stand_in).test_client(), stand_in
+
+
+def test_plain_request(http) -> None:
+    client, stand_in = http
+    reply = client.post("/mii/dep", data=json.dumps({"prompts": ["a", "b"], "max_new_tokens": 3}))
+    assert reply.status_code == 200
+    assert [r["generated_text"] for r in reply.get_json()] == ["A", "B"]
+    assert reply.get_json()[0]["finish_reason"] == "stop"
+    assert stand_in.calls == [(["a", "b"], {"max_new_tokens": 3})]
+    assert client.post("/mii/dep", data=json.dumps({"prompts": "one"})).get_json()[0]["generated_text"] == "ONE"
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ("{nope", "not valid JSON"),
+        ("[1, 2]", "JSON object"),
+        ('{"max_new_tokens": 3}', "lacks \\\"prompts\\\""),
+        ('{"prompts": [1, 2]}', "list of strings"),
+        ('{"prompts": ["a"], "stream": "yes"}', "stream"),
+        ('{"prompts": ["a"], "max_new_tokns": 3}', "max_new_tokns"),
+        ('{"prompts": ["a"], "max_new_tokens": "ten"}', "max_new_tokens"),
+        ('{"prompts": ["a"], "top_p": 7}', "top_p"),
+    ],
+)
+def test_bad_requests_are_400_json(http, body: str, fragment: str) -> None:
+    client, _ = http
+    reply = client.post("/mii/dep", data=body)
+    assert reply.status_code == 400
+    assert fragment.replace("\\", "") in reply.get_json()["error"]["message"]
+
+
+def test_other_statuses(http) -> None:
+    client, _ = http
+    assert client.post("/mii/other", data='{"prompts": ["a"]}').status_code == 404
+    reply = client.post("/mii/dep", data='{"prompts": ["overload"]}')
+    assert reply.status_code == 503 and reply.get_json()["error"] == {"type": "CapacityExceeded", "message": "busy"}
+    assert client.get("/mii/dep").status_code == 405
+    assert client.get("/healthz").get_json() == {"status": "ok"}
+
+
+def test_streaming_is_server_sent_events(http) -> None:
+    client, _ = http
+    reply = client.post("/mii/dep", data='{"prompts": ["a"], "stream": true}')
+    assert reply.status_code == 200 and reply.mimetype == "text/event-stream"
+    events = [e for e in reply.get_data(as_text=True).split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert [c["generated_text"] for c in chunks] == ["a", "b"] and chunks[0]["prompt_index"] == 0

@@ -1,0 +1,77 @@
+"""Unit: the one error map, server side to client side, through a real in-process gRPC call."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from mii_server import errors
+from mii_server.serving import grpc_common
+from mii_server.serving.status import abort_rpc, error_from_rpc, grpc_status_of, http_status_of
+from mii_server.wire import generation_pb2 as pb
+from mii_server.wire import generation_pb2_grpc
+
+from .helpers import free_port_block
+
+CASES = [
+    (errors.UnknownArgument("bad kw"), grpc.StatusCode.INVALID_ARGUMENT, 400),
+    (errors.InvalidRequest("too long"), grpc.StatusCode.INVALID_ARGUMENT, 400),
+    (errors.CapacityExceeded("full"), grpc.StatusCode.RESOURCE_EXHAUSTED, 503),
+    (errors.ReplicaUnavailable("down"), grpc.StatusCode.UNAVAILABLE, 503),
+    (errors.EngineDead("dead"), grpc.StatusCode.UNAVAILABLE, 503),
+    (errors.DeploymentNotFound("none"), grpc.StatusCode.NOT_FOUND, 404),
+    (RuntimeError("bug"), grpc.StatusCode.INTERNAL, 500),
+]
+
+
+@pytest.mark.parametrize(("exc", "code", "http"), CASES)
+def test_table(exc: Exception, code: grpc.StatusCode, http: int) -> None:
+    assert grpc_status_of(exc) == code
+    assert http_status_of(exc) == http
+
+
+class Raiser(generation_pb2_grpc.GenerationServicer):
+    def __init__(self) -> None:
+        self.exc: Exception = RuntimeError()
+
+    def Generate(self, request, context):
+        abort_rpc(context, self.exc)
+
+
+def test_types_and_messages_survive_the_wire() -> None:
+    raiser = Raiser()
+    port = free_port_block(1)
+    server, _ = grpc_common.start_server(raiser, "127.0.0.1", port, max_workers=2)
+    try:
+        stub = generation_pb2_grpc.GenerationStub(grpc_common.channel(f"127.0.0.1:{port}"))
+        for exc, code, _ in CASES:
+            raiser.exc = exc
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Generate(pb.GenerateRequest(prompts=["x"]))
+            assert info.value.code() == code
+            back = error_from_rpc(info.value)
+            if isinstance(exc, errors.MIIServerError):
+                assert type(back) is type(exc) and str(back) == str(exc)
+            else:
+                assert type(back) is errors.MIIServerError and "bug" in str(back)
+    finally:
+        server.stop(0)
+
+
+def test_unreachable_server_is_replica_unavailable() -> None:
+    port = free_port_block(1)
+    stub = generation_pb2_grpc.GenerationStub(grpc_common.channel(f"127.0.0.1:{port}"))
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(pb.GenerateRequest(prompts=["x"]), timeout=5)
+    err = error_from_rpc(info.value, f"127.0.0.1:{port}")
+    assert isinstance(err, errors.ReplicaUnavailable) and f"127.0.0.1:{port}" in str(err)
+
+
+def test_second_server_on_a_used_port_fails() -> None:
+    port = free_port_block(1)
+    server, _ = grpc_common.start_server(Raiser(), "127.0.0.1", port, max_workers=2)
+    try:
+        with pytest.raises(OSError, match=str(port)):
+            grpc_common.start_server(Raiser(), "127.0.0.1", port, max_workers=2)
+    finally:
+        server.stop(0)
