@@ -192,7 +192,8 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
             try:
                 entries = list(call.result().replicas)
                 entry = entries[0] if entries else pb.ReplicaStats()
-                entry.healthy = True
+                # healthy = the replica has its engine AND this balancer routes to it
+                entry.healthy = entry.healthy and self.router.is_up(i)
             except grpc.RpcError:
                 entry = pb.ReplicaStats(healthy=False)
             entry.replica_index = i

@@ -24,7 +24,7 @@ class ReplicaStats:
 
     replica_index: int  # position of the replica in the deployment
     address: str  # host:port of the replica's gRPC server
-    healthy: bool  # False: the load balancer could not reach it (other counters are then zero)
+    healthy: bool  # engine loaded and the load balancer routes to it (unreachable: counters are 0)
     pid: int = 0  # process id of the replica's rank 0
     prompts_received: int = 0  # prompts this replica process accepted since it started
     prompts_routed: int = 0  # prompts the load balancer sent to this replica slot, across restarts

@@ -57,7 +57,7 @@ class FakeReplica(generation_pb2_grpc.GenerationServicer):
                     yield convert.completion_to_proto(Response(text[step], 1, step + 1, reason), i)
 
     def Stats(self, request, context):
-        return pb.StatsReply(replicas=[pb.ReplicaStats(pid=1, prompts_received=len(self.prompts))])
+        return pb.StatsReply(replicas=[pb.ReplicaStats(healthy=True, pid=1, prompts_received=len(self.prompts))])
 
     def Terminate(self, request, context):
         self.terminated.set()

@@ -1,0 +1,247 @@
+"""Integration: one real deployment (2 replicas + load balancer + REST gateway) on loopback, CPU, demo model.
+
+Tests run in file order and share the deployment; the last one terminates it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+
+import pytest
+
+import mii_server
+from mii_server.errors import InvalidRequest
+from mii_server.generation.response import FinishReason, Response
+from mii_server.serving import registry
+from mii_server.serving.client import Client
+from mii_server.serving.ports import port_is_free
+
+from .helpers import descendants, free_port_block, wait_for
+
+pytestmark = pytest.mark.integration
+
+NAME = "itest-deployment"
+GREEDY = {"max_new_tokens": 8, "do_sample": False}
+PROMPTS = [f"Request {i}: the quick brown fox{' jumps' * (i % 5)}" for i in range(64)]
+
+
+@dataclass
+class Deployment:
+    client: Client
+    lb_port: int
+    rest_port: int
+
+    @property
+    def rest_url(self) -> str:
+        return f"http://127.0.0.1:{self.rest_port}/mii/{NAME}"
+
+
+@pytest.fixture(scope="module")
+def expected() -> list[Response]:
+    pipe = mii_server.pipeline("")
+    try:
+        return pipe(PROMPTS, **GREEDY)
+    finally:
+        pipe.destroy()
+
+
+@pytest.fixture(scope="module")
+def deployment(registry_env: str) -> Deployment:
+    base = free_port_block(3)
+    rest = free_port_block(1)
+    assert rest not in range(base, base + 3)
+    client = mii_server.serve(
+        deployment_name=NAME, replica_num=2, enable_restful_api=True, port_number=base, restful_api_port=rest
+    )
+    yield Deployment(client, base, rest)
+    record = registry.read(NAME)
+    if record is not None and record.is_alive():  # a test failed before the terminate test
+        client.terminate_server()
+
+
+def _same(got: Response, want: Response) -> None:
+    assert (got.generated_text, got.token_ids, got.finish_reason, got.prompt_length, got.generated_length) == (
+        want.generated_text,
+        want.token_ids,
+        want.finish_reason,
+        want.prompt_length,
+        want.generated_length,
+    )
+
+
+def test_64_prompts_from_4_threads_equal_pipeline_and_use_both_replicas(deployment, expected) -> None:
+    before = {s.replica_index: s.prompts_received for s in deployment.client.stats()}
+    results: dict[int, list[Response]] = {}
+    errors: list[BaseException] = []
+
+    def worker(t: int) -> None:
+        try:
+            results[t] = deployment.client.generate(PROMPTS[t::4], **GREEDY)
+        except BaseException as err:  # noqa: BLE001 - re-raised below, in the test thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    for t in range(4):
+        for got, want in zip(results[t], expected[t::4], strict=True):
+            _same(got, want)
+    after = {s.replica_index: s for s in deployment.client.stats()}
+    served = {i: after[i].prompts_received - before[i] for i in after}
+    assert sum(served.values()) == 64
+    assert served[0] > 0 and served[1] > 0, served
+    assert all(s.healthy and s.running == 0 and s.free_blocks == s.total_blocks for s in after.values())
+
+
+def test_streaming_several_prompts_through_the_load_balancer(deployment, expected) -> None:
+    chosen = [0, 7, 12, 33, 50]
+    texts: dict[int, str] = {}
+    tokens: dict[int, list[int]] = {}
+    finals: dict[int, FinishReason] = {}
+    counts: dict[int, int] = {}
+    for chunk in deployment.client.generate_stream([PROMPTS[i] for i in chosen], **GREEDY):
+        i = chunk.prompt_index
+        assert i not in finals, "chunk after the final one"
+        texts[i] = texts.get(i, "") + chunk.generated_text
+        tokens[i] = tokens.get(i, []) + chunk.token_ids
+        counts[i] = counts.get(i, 0) + 1
+        if chunk.finish_reason is not FinishReason.NONE:
+            finals[i] = chunk.finish_reason
+    for k, i in enumerate(chosen):
+        assert texts[k] == expected[i].generated_text and tokens[k] == expected[i].token_ids
+        assert finals[k] == expected[i].finish_reason
+        assert counts[k] > 1  # token by token, not one blob
+
+
+def test_async_twins(deployment, expected) -> None:
+    async def main() -> tuple[list[Response], dict[int, str]]:
+        plain = await deployment.client.agenerate(PROMPTS[:3], **GREEDY)
+        streamed: dict[int, str] = {}
+        async for chunk in deployment.client.agenerate_stream(PROMPTS[:3], **GREEDY):
+            streamed[chunk.prompt_index] = streamed.get(chunk.prompt_index, "") + chunk.generated_text
+        return plain, streamed
+
+    plain, streamed = asyncio.run(main())
+    for got, want in zip(plain, expected[:3], strict=True):
+        _same(got, want)
+    assert streamed == {i: expected[i].generated_text for i in range(3)}
+
+
+def test_server_side_errors_arrive_typed_with_the_servers_message(deployment) -> None:
+    with pytest.raises(InvalidRequest, match="prompt has .* tokens"):
+        deployment.client.generate(["word " * 3000], max_new_tokens=4)
+    # the deployment still serves afterwards
+    assert deployment.client.generate(PROMPTS[:1], **GREEDY)[0].generated_length == 8
+
+
+def test_a_second_process_reconnects_by_name(deployment, expected) -> None:
+    code = (
+        "import json, mii_server; "
+        f"c = mii_server.client({NAME!r}); "
+        f"print(json.dumps([r.generated_text for r in c.generate({PROMPTS[:3]!r}, **{GREEDY!r})]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == [r.generated_text for r in expected[:3]]
+
+
+def _curl(*args: str) -> tuple[int, str]:
+    out = subprocess.run(
+        ["curl", "-sS", "-N", "-w", "\n%{http_code}", *args], capture_output=True, text=True, timeout=120, check=True
+    )
+    body, _, status = out.stdout.rpartition("\n")
+    return int(status), body
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="needs the curl binary")
+def test_curl_plain_and_streaming(deployment, expected) -> None:
+    body = json.dumps({"prompts": PROMPTS[:3], **GREEDY})
+    status, text = _curl("-X", "POST", "-H", "Content-Type: application/json", "-d", body, deployment.rest_url)
+    assert status == 200
+    plain = json.loads(text)
+    assert [r["generated_text"] for r in plain] == [r.generated_text for r in expected[:3]]
+    assert plain[0]["finish_reason"] == expected[0].finish_reason.value
+
+    body = json.dumps({"prompts": PROMPTS[:3], "stream": True, **GREEDY})
+    status, text = _curl("-X", "POST", "-d", body, deployment.rest_url)
+    assert status == 200
+    events = [e for e in text.split("\n\n") if e.strip()]
+    assert events[-1] == "data: [DONE]"
+    joined: dict[int, str] = {}
+    for event in events[:-1]:
+        assert event.startswith("data: ")
+        chunk = json.loads(event.removeprefix("data: "))
+        joined[chunk["prompt_index"]] = joined.get(chunk["prompt_index"], "") + chunk["generated_text"]
+    assert [joined[i] for i in range(3)] == [r["generated_text"] for r in plain]
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="needs the curl binary")
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ('{"prompts": ["a"], "max_new_tokens": 4', "not valid JSON"),
+        ('{"prompts": ["a"], "max_new_tokns": 4}', "max_new_tokns"),
+        ('{"prompts": ["a"], "max_new_tokens": "four"}', "max_new_tokens"),
+        ('{"prompts": 5}', "prompts"),
+    ],
+)
+def test_curl_bad_requests_get_400_json(deployment, body: str, fragment: str) -> None:
+    status, text = _curl("-X", "POST", "-d", body, deployment.rest_url)
+    assert status == 400
+    assert fragment in json.loads(text)["error"]["message"]
+
+
+def test_leaving_a_stream_aborts_the_request_and_frees_its_kv_blocks(deployment) -> None:
+    before = sum(s.generated_tokens for s in deployment.client.stats())
+    stream = deployment.client.generate_stream(["Tell me a long story"], max_new_tokens=1500, ignore_eos=True)
+    for _, _chunk in zip(range(3), stream, strict=False):
+        pass
+    stream.close()  # cancels the RPC: load balancer -> replica -> engine abort
+
+    def idle() -> bool:
+        stats = deployment.client.stats()
+        return all(s.running == 0 and s.waiting == 0 and s.free_blocks == s.total_blocks for s in stats)
+
+    wait_for(idle, 60, "every KV block to be free again")
+    generated = sum(s.generated_tokens for s in deployment.client.stats()) - before
+    assert 3 <= generated < 1500  # stopped early: aborted, not finished
+
+
+def test_a_sigkilled_replica_is_restarted_and_serves_again(deployment, expected) -> None:
+    old = deployment.client.stats()[1]
+    os.kill(old.pid, signal.SIGKILL)
+    # requests keep working meanwhile (the load balancer routes around the dead replica)
+    for got, want in zip(deployment.client.generate(PROMPTS[:4], **GREEDY), expected[:4], strict=True):
+        _same(got, want)
+
+    def restarted() -> bool:
+        now = deployment.client.stats()[1]
+        return now.healthy and now.pid not in (0, old.pid)
+
+    wait_for(restarted, 180, "replica 1 to come back with a new pid")
+    for got, want in zip(deployment.client.generate(PROMPTS[:6], **GREEDY), expected[:6], strict=True):
+        _same(got, want)
+    assert deployment.client.stats()[1].prompts_received > 0  # the new process served some of them
+
+
+def test_terminate_leaves_no_process_and_frees_every_port(deployment) -> None:
+    supervisor = registry.read(NAME).supervisor_pid
+    tree = descendants(supervisor) | {supervisor}
+    assert len(tree) >= 5  # supervisor, 2 replicas, load balancer, REST gateway
+    deployment.client.terminate_server()
+    alive = [pid for pid in tree if registry.pid_alive(pid)]
+    assert alive == []
+    assert registry.read(NAME) is None
+    for port in (deployment.lb_port, deployment.lb_port + 1, deployment.lb_port + 2, deployment.rest_port):
+        assert port_is_free("127.0.0.1", port), port
