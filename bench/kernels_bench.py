@@ -1,0 +1,188 @@
+"""Micro-benchmarks of the Triton paged-attention kernels against the reference, on one CUDA device.
+
+- decode: batch 64, context 2048, Llama-3-8B heads (32 q / 8 kv, D=128), bf16; achieved bytes/s
+  (K+V read plus q and out) as a fraction of the HBM ceiling.
+- prefill: 8 sequences x 2048 new tokens, same heads; achieved causal TFLOP/s as a fraction of the
+  dense bf16 matmul rate. torch SDPA (flash, contiguous K/V) is printed beside it as a yardstick.
+
+Run from the repository root with the package importable, e.g.
+``PYTHONPATH=<dir holding mii_server> python3 bench/kernels_bench.py [--sweep]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+from mii_server.kernels import reference, triton_attention
+from mii_server.kernels.metadata import AttentionMetadata
+
+HBM_BYTES_PER_S = 4.24e12  # measured device-to-device copy rate on the H200
+BF16_FLOPS = 790e12  # measured dense bf16 matmul rate on the H200
+
+
+def make_batch(
+    seqs: list[tuple[int, int]], num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+    dtype: torch.dtype, device: str = "cuda",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:  # fmt: skip
+    """q, k_cache, v_cache and metadata for seqs = [(new tokens, context)], blocks scattered at random."""
+    blocks_per_seq = [-(-ctx // block_size) for _, ctx in seqs]
+    num_blocks = sum(blocks_per_seq)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, device=device, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    order = torch.randperm(num_blocks, device=device).to(torch.int32)
+    width = max(blocks_per_seq)
+    block_table = torch.zeros(len(seqs), width, dtype=torch.int32, device=device)
+    cu, start = [0], 0
+    for s, n in enumerate(blocks_per_seq):
+        block_table[s, :n] = order[start : start + n]
+        start += n
+        cu.append(cu[-1] + seqs[s][0])
+    positions = torch.cat([torch.arange(c - q, c) for q, c in seqs]).to(device)
+    meta = AttentionMetadata(
+        positions=positions,
+        slot_mapping=torch.zeros_like(positions),  # unused by attention
+        cu_q_lens=torch.tensor(cu, dtype=torch.int32, device=device),
+        context_lens=torch.tensor([c for _, c in seqs], dtype=torch.int32, device=device),
+        block_table=block_table,
+        last_token_indices=torch.tensor(cu[1:], device=device) - 1,
+        max_q_len=max(q for q, _ in seqs),
+        max_context_len=max(c for _, c in seqs),
+    )
+    q = torch.randn(cu[-1], num_q_heads, head_dim, device=device, dtype=dtype)
+    return q, k_cache, v_cache, meta
+
+
+def _report(name: str, ms: float, **fields: float) -> dict:
+    row = {"bench": name, "ms": round(ms, 4), **{k: round(v, 4) for k, v in fields.items()}}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def bench_decode(sweep: bool, block_size: int) -> list[dict]:
+    batch, ctx, hq, hk, d = 64, 2048, 32, 8, 128
+    q, k_cache, v_cache, meta = make_batch([(1, ctx)] * batch, hq, hk, d, block_size, torch.bfloat16)
+    scale = d**-0.5
+    moved = 2 * batch * ctx * hk * d * 2 + 2 * q.numel() * 2  # K+V read, q read, out written
+    rows = []
+    ref_ms = do_bench(lambda: reference.paged_attention(q, k_cache, v_cache, meta, scale), rep=200)
+    expected = reference.paged_attention(q, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(
+        triton_attention.paged_attention(q, k_cache, v_cache, meta, scale), expected, atol=2e-2, rtol=2e-2
+    )
+    ms = do_bench(lambda: triton_attention.paged_attention(q, k_cache, v_cache, meta, scale), rep=300)
+    gbs = moved / ms / 1e-3
+    rows.append(_report(
+        f"decode_b{batch}_ctx{ctx}_bs{block_size}", ms, TBps=gbs / 1e12, frac_hbm=gbs / HBM_BYTES_PER_S,
+        reference_ms=ref_ms, speedup_vs_reference=ref_ms / ms,
+    ))  # fmt: skip
+    if sweep:
+        for splits in (1, 2, 4, 8):
+            for block_n in (32, 64, 128):
+                for warps, stages in ((4, 2), (4, 3), (8, 3)):
+
+                    def run(splits=splits, block_n=block_n, warps=warps, stages=stages):
+                        return triton_attention.paged_decode_attention(
+                            q, k_cache, v_cache, meta, scale, num_splits=splits, block_n=block_n,
+                            num_warps=warps, num_stages=stages,
+                        )  # fmt: skip
+
+                    try:
+                        run()
+                        ms = do_bench(run, rep=60)
+                    except Exception as exc:  # noqa: BLE001 - a config may not fit; report and go on
+                        print(json.dumps({"bench": "decode_sweep", "error": str(exc)[:120]}))
+                        continue
+                    gbs = moved / ms / 1e-3
+                    rows.append(_report(
+                        "decode_sweep", ms, splits=splits, block_n=block_n, warps=warps, stages=stages,
+                        frac_hbm=gbs / HBM_BYTES_PER_S,
+                    ))  # fmt: skip
+    return rows
+
+
+def bench_prefill(sweep: bool, block_size: int) -> list[dict]:
+    nseq, length, hq, hk, d = 8, 2048, 32, 8, 128
+    q, k_cache, v_cache, meta = make_batch([(length, length)] * nseq, hq, hk, d, block_size, torch.bfloat16)
+    scale = d**-0.5
+    flops = 4 * nseq * hq * d * length * (length + 1) / 2  # QK^T and PV over the causal triangle
+    rows = []
+    ref_ms = do_bench(lambda: reference.paged_attention(q, k_cache, v_cache, meta, scale), rep=200)
+    expected = reference.paged_attention(q, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(
+        triton_attention.paged_attention(q, k_cache, v_cache, meta, scale), expected, atol=2e-2, rtol=2e-2
+    )
+    ms = do_bench(lambda: triton_attention.paged_attention(q, k_cache, v_cache, meta, scale), rep=300)
+    tf = flops / ms / 1e-3
+    rows.append(_report(
+        f"prefill_{nseq}x{length}_bs{block_size}", ms, TFLOPs=tf / 1e12, frac_bf16=tf / BF16_FLOPS,
+        reference_ms=ref_ms, speedup_vs_reference=ref_ms / ms,
+    ))  # fmt: skip
+    # yardstick: torch SDPA (flash) on contiguous [S, H, L, D] tensors of the same problem
+    qs = q.view(nseq, length, hq, d).transpose(1, 2)
+    ks = torch.randn(nseq, hk, length, d, device="cuda", dtype=torch.bfloat16)
+    vs = torch.randn_like(ks)
+    try:
+        sdpa_ms = do_bench(
+            lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True), rep=200
+        )
+        _report("prefill_torch_sdpa", sdpa_ms, TFLOPs=flops / sdpa_ms / 1e-3 / 1e12)
+    except Exception as exc:  # noqa: BLE001 - the yardstick is optional
+        print(json.dumps({"bench": "prefill_torch_sdpa", "error": str(exc)[:120]}))
+    if sweep:
+        for block_m, block_n, warps, stages in (
+            (128, 32, 4, 4), (128, 32, 4, 3), (128, 64, 4, 4), (128, 32, 8, 4),
+            (64, 32, 4, 4), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3),
+        ):  # fmt: skip
+
+            def run(block_m=block_m, block_n=block_n, warps=warps, stages=stages):
+                return triton_attention.paged_prefill_attention(
+                    q, k_cache, v_cache, meta, scale, block_m=block_m, block_n=block_n,
+                    num_warps=warps, num_stages=stages,
+                )  # fmt: skip
+
+            try:
+                run()
+                ms = do_bench(run, rep=100)
+            except Exception as exc:  # noqa: BLE001 - a config may not fit; report and go on
+                print(json.dumps({"bench": "prefill_sweep", "error": str(exc)[:120]}))
+                continue
+            rows.append(_report(
+                "prefill_sweep", ms, block_m=block_m, block_n=block_n, warps=warps, stages=stages,
+                frac_bf16=flops / ms / 1e-3 / BF16_FLOPS,
+            ))  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--sweep", nargs="*", choices=["decode", "prefill"], default=None,
+        help="also time other tile configurations of these kernels (both when given bare)",
+    )  # fmt: skip
+    parser.add_argument("--block-size", type=int, nargs="+", default=[16], help="KV cache block sizes")
+    parser.add_argument("--json", help="write all rows to this file")
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "the kernel benchmarks need a CUDA device"
+    torch.manual_seed(0)
+    print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                      "triton": triton.__version__}))  # fmt: skip
+    rows = []
+    for block_size in args.block_size:
+        sweep = set() if args.sweep is None else set(args.sweep or ("decode", "prefill"))
+        rows += bench_decode("decode" in sweep, block_size)
+        rows += bench_prefill("prefill" in sweep, block_size)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    assert all(math.isfinite(r.get("ms", 0.0)) for r in rows)
+
+
+if __name__ == "__main__":
+    main()

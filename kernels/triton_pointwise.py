@@ -1,0 +1,210 @@
+"""Triton twins of the row-wise reference ops: RMSNorm, SiLU-and-mul, rotary embedding, KV append.
+
+Each op matches ``reference`` in signature and rounding: intermediate values are rounded to the input
+dtype exactly where the reference rounds them, so results agree to the last bit up to fp32
+summation order. Inputs need a contiguous last dimension; other strides are passed to the kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    weight_ptr,
+    out_ptr,
+    stream_ptr,
+    stride_x,
+    stride_res,
+    stride_out,
+    stride_stream,
+    hidden,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    dtype = x.dtype
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0)
+        # why: the reference adds in the input dtype, then normalises the rounded stream
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        tl.store(stream_ptr + row * stride_stream + cols, x, mask=ok)
+    h = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / hidden + eps)
+    w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    normed = (h * inv).to(dtype).to(tl.float32) * w
+    tl.store(out_ptr + row * stride_out + cols, normed.to(dtype), mask=ok)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm with an optional fused residual add; see ``reference.rms_norm``."""
+    hidden = x.shape[-1]
+    x2 = x.reshape(-1, hidden)  # [T, H]
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if residual is None:
+        res2, stream2, stream = x2, x2, x
+    else:
+        res2 = residual.reshape(-1, hidden)
+        stream2 = torch.empty_like(out)
+        stream = stream2.view(x.shape)
+    if x2.shape[0] > 0:
+        block = triton.next_power_of_2(hidden)
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, res2, weight, out, stream2,
+            x2.stride(0), res2.stride(0), out.stride(0), stream2.stride(0),
+            hidden, eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
+            num_warps=min(16, max(1, block // 512)),
+        )  # fmt: skip
+    return out.view(x.shape), stream
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < inter
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + inter + cols, mask=ok, other=0.0)
+    g = gate.to(tl.float32)
+    # why: torch rounds silu(gate) to the input dtype before the product
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (act * up.to(tl.float32)).to(gate.dtype), mask=ok)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2I] holding gate then up projections -> silu(gate) * up: [T, I]."""
+    inter = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * inter)
+    out = torch.empty((x2.shape[0], inter), dtype=x.dtype, device=x.device)
+    if x2.shape[0] > 0 and inter > 0:
+        block = min(1024, triton.next_power_of_2(inter))
+        grid = (x2.shape[0], triton.cdiv(inter, block))
+        _silu_and_mul_kernel[grid](x2, out, x2.stride(0), out.stride(0), inter, BLOCK=block)
+    return out.view(*x.shape[:-1], inter)
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh, tok, cos, sin, num_heads,
+    HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+):  # fmt: skip
+    heads = tl.arange(0, HEADS_PAD)
+    cols = tl.arange(0, HALF_PAD)
+    ok = (heads[:, None] < num_heads) & (cols[None, :] < HALF)
+    src = x_ptr + tok * stride_xt + heads[:, None] * stride_xh + cols[None, :]
+    x1 = tl.load(src, mask=ok, other=0.0)
+    x2 = tl.load(src + HALF, mask=ok, other=0.0)
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    dst = out_ptr + tok * stride_ot + heads[:, None] * stride_oh + cols[None, :]
+    tl.store(dst, (a * cos - b * sin).to(x1.dtype), mask=ok)
+    tl.store(dst + HALF, (b * cos + a * sin).to(x1.dtype), mask=ok)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
+    stride_cache, num_q_heads, num_kv_heads,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, QH_PAD: tl.constexpr, KH_PAD: tl.constexpr,
+):  # fmt: skip
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    cols = tl.arange(0, HALF_PAD)
+    cos = tl.load(cache_ptr + pos * stride_cache + cols, mask=cols < HALF, other=0.0)[None, :]
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF + cols, mask=cols < HALF, other=0.0)[None, :]
+    _rotate_heads(
+        q_ptr, q_out_ptr, stride_qt, stride_qh, stride_qot, stride_qoh, tok, cos, sin, num_q_heads,
+        QH_PAD, HALF, HALF_PAD,
+    )  # fmt: skip
+    _rotate_heads(
+        k_ptr, k_out_ptr, stride_kt, stride_kh, stride_kot, stride_koh, tok, cos, sin, num_kv_heads,
+        KH_PAD, HALF, HALF_PAD,
+    )  # fmt: skip
+
+
+def rotary_embedding(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half rotary embedding; returns new (q, k) tensors. See ``reference.rotary_embedding``."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    half = head_dim // 2
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if num_tokens > 0:
+        assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
+        _rotary_kernel[(num_tokens,)](
+            q, k, q_out, k_out, positions, cos_sin_cache,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+            cos_sin_cache.stride(0), num_q_heads, num_kv_heads,
+            HALF=half,
+            HALF_PAD=triton.next_power_of_2(half),
+            QH_PAD=triton.next_power_of_2(num_q_heads),
+            KH_PAD=triton.next_power_of_2(num_kv_heads),
+        )  # fmt: skip
+    return q_out, k_out
+
+
+@triton.jit
+def _kv_append_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    num_heads, head_dim,
+    BLOCK_SIZE: tl.constexpr, HEADS_PAD: tl.constexpr, D_PAD: tl.constexpr,
+):  # fmt: skip
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot < 0:  # why: a negative slot marks a padding token (e.g. in a CUDA-graph batch)
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    cols = tl.arange(0, D_PAD)[None, :]
+    ok = (heads < num_heads) & (cols < head_dim)
+    k = tl.load(k_ptr + tok * stride_kt + heads * stride_kh + cols, mask=ok)
+    v = tl.load(v_ptr + tok * stride_vt + heads * stride_vh + cols, mask=ok)
+    k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + heads * stride_kch + cols
+    v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + heads * stride_vch + cols
+    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
+    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
+
+
+def kv_append(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each token's key and value into its cache slot, in place; a slot < 0 is skipped."""
+    num_tokens, num_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    assert k.stride(-1) == 1 and v.stride(-1) == 1
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    _kv_append_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        num_heads, head_dim,
+        BLOCK_SIZE=k_cache.shape[1],
+        HEADS_PAD=triton.next_power_of_2(num_heads),
+        D_PAD=triton.next_power_of_2(head_dim),
+    )  # fmt: skip

@@ -1,0 +1,247 @@
+"""Every Triton op against its pure-PyTorch reference twin, on fresh random inputs.
+
+On CUDA: bf16/fp16, Llama-like shapes, ragged mixes of prefill chunks and decode tokens. On the CPU:
+Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest.py) at tiny shapes.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from mii_server.kernels import reference
+from mii_server.kernels.metadata import AttentionMetadata
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no GPU and TRITON_INTERPRET is not set", allow_module_level=True)
+
+from mii_server.kernels import triton_attention, triton_ops
+
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+# the interpreter runs numpy: fp32 and fp16 there (its bf16 arithmetic is unreliable); bf16 on the GPU
+DTYPES = [torch.bfloat16, torch.float16] if ON_GPU else [torch.float32, torch.float16]
+# tolerances for results rounded once more or less than the reference (one ulp of the dtype)
+ULP_TOL = {
+    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+    torch.float16: {"atol": 1e-3, "rtol": 2e-3},
+    torch.bfloat16: {"atol": 1e-2, "rtol": 1.6e-2},
+}
+# attention: probabilities are rounded to the input dtype before the P @ V product
+ATTN_TOL = {
+    torch.float32: {"atol": 1e-4, "rtol": 1e-4},
+    torch.float16: {"atol": 4e-3, "rtol": 4e-3},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
+}
+
+
+def _rand(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(*shape, device=DEVICE).to(dtype)
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+    random.seed(0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [4096, 5120] if ON_GPU else [32, 48])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype: torch.dtype, hidden: int, with_residual: bool) -> None:
+    x = _rand(13, hidden, dtype=dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).to(dtype)
+    residual = _rand(13, hidden, dtype=dtype) if with_residual else None
+    normed, stream = triton_ops.rms_norm(x, weight, 1e-6, residual)
+    ref_normed, ref_stream = reference.rms_norm(x, weight, 1e-6, residual)
+    torch.testing.assert_close(stream, ref_stream, atol=0, rtol=0)
+    torch.testing.assert_close(normed, ref_normed, **ULP_TOL[dtype])
+    if residual is None:
+        assert stream is x
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [14336, 1000] if ON_GPU else [24, 40])
+def test_silu_and_mul(dtype: torch.dtype, inter: int) -> None:
+    x = _rand(7, 2 * inter, dtype=dtype) * 3
+    torch.testing.assert_close(triton_ops.silu_and_mul(x), reference.silu_and_mul(x), **ULP_TOL[dtype])
+
+
+def _cos_sin_cache(max_positions: int, head_dim: int) -> torch.Tensor:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=DEVICE).float() / head_dim))
+    freqs = torch.outer(torch.arange(max_positions, device=DEVICE).float(), inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [P, D]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "num_q_heads,num_kv_heads,head_dim", [(32, 8, 128), (12, 4, 64)] if ON_GPU else [(4, 2, 16), (3, 1, 8)]
+)
+def test_rotary_embedding(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    tokens = 9
+    cache = _cos_sin_cache(4096, head_dim)
+    positions = torch.randint(0, 4096, (tokens,), device=DEVICE)
+    # q and k as strided views into one fused projection, as a model produces them
+    qkv = _rand(tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
+    q = qkv[:, : num_q_heads * head_dim].view(tokens, num_q_heads, head_dim)
+    k = qkv[:, num_q_heads * head_dim : (num_q_heads + num_kv_heads) * head_dim].view(
+        tokens, num_kv_heads, head_dim
+    )
+    q_out, k_out = triton_ops.rotary_embedding(q, k, positions, cache)
+    q_ref, k_ref = reference.rotary_embedding(q, k, positions, cache)
+    torch.testing.assert_close(q_out, q_ref, **ULP_TOL[dtype])
+    torch.testing.assert_close(k_out, k_ref, **ULP_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kv_append(dtype: torch.dtype) -> None:
+    num_blocks, block_size, heads, head_dim = (64, 16, 8, 128) if ON_GPU else (6, 4, 2, 16)
+    tokens = 11
+    k_cache = _rand(num_blocks, block_size, heads, head_dim, dtype=dtype)
+    v_cache = _rand(num_blocks, block_size, heads, head_dim, dtype=dtype)
+    kv = _rand(tokens, 2, heads, head_dim, dtype=dtype)
+    k, v = kv[:, 0], kv[:, 1]  # strided views
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens]
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    reference.kv_append(k, v, k_ref, v_ref, slots)
+    triton_ops.kv_append(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    # a negative slot marks a padding token and writes nothing
+    before = k_cache.clone()
+    triton_ops.kv_append(k[:1], v[:1], k_cache, v_cache, torch.full((1,), -1, device=DEVICE))
+    assert torch.equal(k_cache, before)
+
+
+def _ragged_batch(
+    seqs: list[tuple[int, int]],
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A random blocked cache and the metadata of ``seqs`` = [(new tokens, context length)].
+
+    Blocks are scattered at random and every cache slot holds random data, so a kernel that reads
+    outside a sequence's context or the causal window gets a wrong answer.
+    """
+    blocks_per_seq = [-(-ctx // block_size) for _, ctx in seqs]
+    num_blocks = sum(blocks_per_seq) + 3
+    k_cache = _rand(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    v_cache = _rand(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    order = torch.randperm(num_blocks).tolist()
+    width = max(1, max(blocks_per_seq))
+    block_table = torch.zeros(len(seqs), width, dtype=torch.int32)
+    positions, slots, cu, last = [], [], [0], []
+    for s, ((q_len, ctx), n) in enumerate(zip(seqs, blocks_per_seq)):
+        own = [order.pop() for _ in range(n)]
+        block_table[s, :n] = torch.tensor(own, dtype=torch.int32)
+        for p in range(ctx - q_len, ctx):
+            positions.append(p)
+            slots.append(own[p // block_size] * block_size + p % block_size)
+        cu.append(cu[-1] + q_len)
+        last.append(cu[-1] - 1)
+    meta = AttentionMetadata(
+        positions=torch.tensor(positions, dtype=torch.int64, device=DEVICE),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        cu_q_lens=torch.tensor(cu, dtype=torch.int32, device=DEVICE),
+        context_lens=torch.tensor([ctx for _, ctx in seqs], dtype=torch.int32, device=DEVICE),
+        block_table=block_table.to(DEVICE),
+        last_token_indices=torch.tensor(last, dtype=torch.int64, device=DEVICE),
+        max_q_len=max(q for q, _ in seqs),
+        max_context_len=max(ctx for _, ctx in seqs),
+    )
+    return k_cache, v_cache, meta
+
+
+# (q heads, kv heads, head dim, block size, [(new tokens, context)] per sequence)
+if ON_GPU:
+    MIXED_CASES = [
+        (32, 8, 128, 16, [(1, 1000), (300, 300), (1, 17), (77, 250), (1, 2048), (0, 0), (5, 5)]),
+        (32, 8, 64, 64, [(129, 700), (1, 64), (1, 65), (513, 513)]),
+        (16, 16, 128, 32, [(1, 33), (64, 64), (200, 1111)]),
+        (28, 4, 128, 128, [(1, 129), (40, 40), (1, 3000)]),
+        (8, 1, 64, 16, [(250, 250)]),
+    ]
+    DECODE_CASES = [
+        (32, 8, 128, 16, [(1, c) for c in (1, 15, 16, 17, 500, 2048, 4097, 33)]),
+        (32, 8, 64, 64, [(1, c) for c in (1000, 3, 70)] + [(0, 0)]),
+        (16, 2, 128, 32, [(1, 9000)]),
+        (12, 12, 128, 16, [(1, c) for c in range(1, 300, 37)]),
+    ]
+else:
+    MIXED_CASES = [
+        (4, 2, 16, 4, [(1, 5), (7, 7), (3, 20), (0, 0), (1, 1)]),
+        (4, 1, 32, 8, [(9, 30), (1, 17)]),
+        (6, 2, 16, 16, [(18, 18), (2, 40)]),
+    ]
+    DECODE_CASES = [
+        (4, 2, 16, 4, [(1, 5), (1, 1), (0, 0), (1, 70)]),
+        (3, 3, 32, 8, [(1, 8), (1, 9), (1, 33)]),
+    ]
+
+
+def _check_attention(dtype, num_q_heads, num_kv_heads, head_dim, block_size, seqs, attention) -> None:
+    k_cache, v_cache, meta = _ragged_batch(seqs, num_kv_heads, head_dim, block_size, dtype)
+    q = _rand(sum(q for q, _ in seqs), num_q_heads, head_dim, dtype=dtype)
+    scale = head_dim**-0.5
+    out = attention(q, k_cache, v_cache, meta, scale)
+    expected = reference.paged_attention(q, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(out, expected, **ATTN_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", MIXED_CASES)
+def test_paged_attention_mixed_batch(dtype, case) -> None:
+    _check_attention(dtype, *case, triton_ops.paged_attention)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", DECODE_CASES)
+def test_paged_attention_decode(dtype, case) -> None:
+    _check_attention(dtype, *case, triton_ops.paged_attention)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_decode_split_counts_agree(num_splits: int) -> None:
+    """Every split count gives the reference's answer, including splits left without a tile."""
+    dtype = DTYPES[0]
+    seqs = [(1, c) for c in ((1, 40, 130, 2000) if ON_GPU else (1, 9, 30))]
+
+    def attention(q, k_cache, v_cache, meta, scale):
+        return triton_attention.paged_decode_attention(
+            q, k_cache, v_cache, meta, scale, num_splits=num_splits
+        )
+
+    _check_attention(dtype, 8, 2, 64 if ON_GPU else 16, 16 if ON_GPU else 4, seqs, attention)
+
+
+def test_prefill_kernel_serves_decode_batches() -> None:
+    """The ragged kernel alone (no decode dispatch) is right on a decode-only batch too."""
+    dtype = DTYPES[0]
+    seqs = [(1, c) for c in ((1, 70, 513) if ON_GPU else (1, 6, 21))]
+    _check_attention(dtype, 4, 2, 64 if ON_GPU else 16, 16 if ON_GPU else 4, seqs,
+                     triton_attention.paged_prefill_attention)  # fmt: skip
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("seqs", [[(1, 300), (1, 17), (1, 1)], [(1, 300), (40, 90), (0, 0)]])
+def test_paged_attention_replays_in_a_cuda_graph(seqs) -> None:
+    """No host sync inside the op: it captures, and a replay follows new inputs in place."""
+    dtype = torch.bfloat16
+    k_cache, v_cache, meta = _ragged_batch(seqs, 8, 128, 16, dtype)
+    q = _rand(sum(n for n, _ in seqs), 32, 128, dtype=dtype)
+    triton_ops.paged_attention(q, k_cache, v_cache, meta, 0.1)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_ops.paged_attention(q, k_cache, v_cache, meta, 0.1)
+    q.copy_(_rand(*q.shape, dtype=dtype))
+    v_cache.copy_(_rand(*v_cache.shape, dtype=dtype))
+    graph.replay()
+    expected = reference.paged_attention(q, k_cache, v_cache, meta, 0.1)
+    torch.testing.assert_close(out, expected, **ATTN_TOL[dtype])
