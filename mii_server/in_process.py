@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 from typing import Any
 
 import torch
@@ -10,10 +11,18 @@ import torch
 from .batching.loop import GenerationLoop
 from .batching.request import RequestUpdate
 from .config import ModelConfig
-from .errors import EngineDead
+from .errors import EngineDead, InvalidRequest
 from .generation.params import GenerateParams
 from .generation.response import FinishReason, Response
-from .runtime import Runtime, build_loop, build_runtime
+from .runtime import Runtime, build_loop, build_runtime, pick_device
+from .tensor_parallel.channel import StepSubscriber
+from .tensor_parallel.distributed import shutdown as tp_shutdown
+from .tensor_parallel.distributed import torchrun_rank
+from .tensor_parallel.executor import BroadcastExecutor, follow
+from .tensor_parallel.ranks import RankPlacement, start_rank
+
+# MII's zmq_port_number: where rank 0 of a torchrun pipeline publishes its steps.
+DEFAULT_ZMQ_PORT = 25555
 
 
 def merge_updates(updates: list[RequestUpdate]) -> Response:
@@ -63,6 +72,8 @@ class Pipeline:
             loop.step()
         while loop.has_work():  # free the finished sequences' blocks
             loop.step()
+        if isinstance(loop.executor, BroadcastExecutor):
+            loop.executor.release_followers()
         return [merge_updates(updates[req.uid]) for req in requests]
 
     def destroy(self) -> None:
@@ -71,16 +82,62 @@ class Pipeline:
             self.loop.executor.close()
         self.loop = None
         self.runtime = None
+        tp_shutdown()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
 
-def pipeline(model_name_or_path: str = "", **model_kwargs: Any) -> Pipeline:
-    """Load ``model_name_or_path`` (empty: the built-in demo model) into this process."""
+class FollowerPipeline:
+    """Ranks 1..T-1 of a tensor-parallel pipeline: each call follows rank 0's steps and returns []."""
+
+    def __init__(self, runtime: Runtime, subscriber: StepSubscriber) -> None:
+        self.runtime: Runtime | None = runtime
+        self.subscriber = subscriber
+
+    def __call__(self, prompts: str | list[str], **generate_kwargs: Any) -> list[Response]:
+        if self.runtime is None:
+            raise EngineDead("this pipeline was destroyed")
+        GenerateParams.from_kwargs(**generate_kwargs)  # the same errors as rank 0, on every rank
+        follow(self.runtime.engine, self.subscriber)
+        return []
+
+    def destroy(self) -> None:
+        self.subscriber.close()
+        self.runtime = None
+        tp_shutdown()
+
+
+def pipeline(model_name_or_path: str = "", **model_kwargs: Any) -> Pipeline | FollowerPipeline:
+    """Load ``model_name_or_path`` (empty: the built-in demo model) into this process.
+
+    With ``tensor_parallel=T > 1`` the script must run as T processes (``torchrun --nproc-per-node T
+    script.py``): every rank calls the pipeline alike; rank 0 returns the responses, the others [].
+    """
     config = ModelConfig.from_kwargs(model_name_or_path, **model_kwargs)
-    runtime = build_runtime(config)
-    return Pipeline(config, runtime, build_loop(config, runtime))
+    if config.tensor_parallel == 1:
+        runtime = build_runtime(config)
+        return Pipeline(config, runtime, build_loop(config, runtime))
+    ranks = torchrun_rank()
+    if ranks is None or ranks[2] != config.tensor_parallel:
+        raise InvalidRequest(
+            f"tensor_parallel={config.tensor_parallel} in a script needs {config.tensor_parallel} processes: "
+            f"run it with `torchrun --nproc-per-node {config.tensor_parallel} script.py`"
+            + ("" if ranks is None else f" (this launcher started {ranks[2]})")
+        )
+    rank, local_rank, world = ranks
+    placement = RankPlacement(
+        rank=rank,
+        world_size=world,
+        init_method="env://",
+        channel_host=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        channel_port=int(os.environ.get("MII_SERVER_ZMQ_PORT", DEFAULT_ZMQ_PORT)),
+        device=pick_device(config, local_rank),
+    )
+    started = start_rank(config, placement)
+    if started.subscriber is not None:
+        return FollowerPipeline(started.runtime, started.subscriber)
+    return Pipeline(config, started.runtime, build_loop(config, started.runtime, started.executor))
 
 
 __all__ = ["FinishReason", "Pipeline", "Response", "pipeline"]

@@ -73,11 +73,10 @@ class Runtime:
 
 
 def build_runtime(
-    config: ModelConfig, tp: TensorParallelGroup | None = None, device: torch.device | None = None,
-    num_blocks: int | None = None,
+    config: ModelConfig, tp: TensorParallelGroup | None = None, device: torch.device | None = None
 ) -> Runtime:
-    """Load the model shard of ``tp``'s rank and size its KV cache (``num_blocks`` overrides the
-    config: tensor-parallel ranks agree on the minimum)."""
+    """Load the model shard of ``tp``'s rank and size its KV cache (tensor-parallel ranks agree on
+    the smallest block count any of them can hold)."""
     from transformers import AutoTokenizer
 
     tp = tp or TensorParallelGroup()
@@ -85,7 +84,7 @@ def build_runtime(
     path = model_path(config)
     loaded = load_model(path, config.dtype, device, tp)
     kv_heads = loaded.model.layers[0].self_attn.num_kv_heads
-    blocks = num_blocks or num_kv_blocks(config.kv_cache, loaded, kv_heads)
+    blocks = tp.agree_min(num_kv_blocks(config.kv_cache, loaded, kv_heads))
     spec = loaded.spec
     kv_cache = BlockedKVCache(
         spec.num_layers, blocks, config.kv_cache.block_size, kv_heads, spec.head_dim, loaded.dtype, device

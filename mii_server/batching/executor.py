@@ -17,6 +17,10 @@ class StepExecutor(Protocol):
         """Apply ``step`` (on every rank); rank 0 gets the logits of its sequences, or None."""
         ...
 
+    def idle(self) -> None:
+        """Called while no work is queued, at least every few seconds (tensor-parallel heartbeat)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -28,6 +32,9 @@ class LocalExecutor:
 
     def execute(self, step: Step) -> torch.Tensor | None:
         return run_step(self.engine, step)
+
+    def idle(self) -> None:
+        pass
 
     def close(self) -> None:
         pass

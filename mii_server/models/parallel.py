@@ -17,6 +17,7 @@ class TensorParallelGroup:
 
     rank: int = 0
     size: int = 1
+    device: str = "cpu"  # where collective buffers live (NCCL needs CUDA tensors)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -35,6 +36,14 @@ class TensorParallelGroup:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=-1)
+
+    def agree_min(self, value: int) -> int:
+        """The smallest ``value`` over the ranks (e.g. KV blocks, so every rank holds the same count)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
 
     def split(self, total: int) -> tuple[int, int]:
         """(start, length) of this rank's even share of ``total`` items; ``total`` must divide."""

@@ -19,6 +19,7 @@ from ..config import ModelConfig
 from ..errors import EngineDead
 from ..generation.params import GenerateParams
 from ..runtime import Runtime, build_loop, build_runtime
+from ..tensor_parallel.executor import HEARTBEAT_S
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,9 @@ class EngineDriver:
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
-                self.loop.wait_for_work()
+                self.loop.wait_for_work(timeout=HEARTBEAT_S)
+                if not self.loop.has_work():
+                    self.loop.executor.idle()
                 while self.loop.has_work() and not self._stopping.is_set():
                     self.loop.step()
             self.loop.fail_all(EngineDead("the engine was shut down"))

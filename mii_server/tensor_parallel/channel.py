@@ -1,0 +1,62 @@
+"""The step channel: rank 0 publishes every Step; ranks 1..T-1 receive it. ZMQ PUB/SUB, msgpack.
+
+No pickle crosses the socket: a Step is lists of ints and a flag. The publisher binds loopback by
+default (a configured interface for multi-host) and waits until every follower has subscribed, so
+no step is lost to ZMQ's slow-joiner window. Idle followers block in poll(); they do not spin.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import zmq
+
+from ..batching.step import Step
+from ..errors import EngineDead
+
+
+class StepPublisher:
+    def __init__(self, host: str, port: int) -> None:
+        self._ctx = zmq.Context()
+        self._socket = self._ctx.socket(zmq.XPUB)  # XPUB: subscriptions arrive as messages we can count
+        self._socket.setsockopt(zmq.XPUB_VERBOSE, 1)  # report every subscriber, not just the first
+        self._socket.setsockopt(zmq.SNDHWM, 0)  # never drop a step
+        self._socket.bind(f"tcp://{host}:{port}")
+
+    def wait_for_subscribers(self, count: int, timeout_s: float) -> None:
+        """Block until ``count`` followers have subscribed; EngineDead after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        seen = 0
+        while seen < count:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or not self._socket.poll(left_ms):
+                raise EngineDead(f"only {seen} of {count} tensor-parallel followers subscribed in {timeout_s:.0f}s")
+            if self._socket.recv()[:1] == b"\x01":  # subscribe (0x00 would be unsubscribe)
+                seen += 1
+
+    def publish(self, step: Step) -> None:
+        self._socket.send(msgpack.packb(step.to_msg()))
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+        self._ctx.term()
+
+
+class StepSubscriber:
+    def __init__(self, host: str, port: int) -> None:
+        self._ctx = zmq.Context()
+        self._socket = self._ctx.socket(zmq.SUB)
+        self._socket.setsockopt(zmq.RCVHWM, 0)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.connect(f"tcp://{host}:{port}")
+
+    def receive(self, timeout_s: float) -> Step:
+        """The next Step; EngineDead when rank 0 has been silent for ``timeout_s`` (it heartbeats)."""
+        if not self._socket.poll(int(timeout_s * 1000)):
+            raise EngineDead(f"rank 0 has been silent for {timeout_s:.0f}s")
+        return Step.from_msg(msgpack.unpackb(self._socket.recv()))
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+        self._ctx.term()

@@ -1,0 +1,55 @@
+"""tensor_parallel=T (gloo on the CPU, under torchrun) gives the same greedy tokens as one rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mii_server
+from mii_server.errors import InvalidRequest
+
+PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog.", "Numbers 0 1 2 3 café 東京 🙂"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("variant", "ranks"),
+    [("llama", 2), ("llama3", 2), ("qwen2", 2), ("llama", 4)],  # llama at 4 ranks: 2 KV heads replicated
+)
+def test_tp_equals_tp1(variant: str, ranks: int, tiny_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    path = tiny_checkpoints[variant]
+    out = tmp_path / "tp.json"
+    env = {**os.environ, "MII_SERVER_ZMQ_PORT": str(free_port()), "MII_SERVER_PROGRESS": "0"}
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        str(Path(__file__).with_name("tp_script.py")), str(path), str(out), json.dumps(PROMPTS),
+    ]  # fmt: skip
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    sharded = json.loads(out.read_text())
+
+    pipe = mii_server.pipeline(str(path))
+    first = pipe(PROMPTS, max_new_tokens=16, do_sample=False, ignore_eos=True)
+    second = pipe(PROMPTS[:1], max_new_tokens=4, do_sample=False, ignore_eos=True)
+    pipe.destroy()
+    assert sharded["first"] == [r.token_ids for r in first]
+    assert sharded["second"] == [r.token_ids for r in second]
+
+
+def test_tp_without_launcher_is_a_clear_error(tiny_checkpoints: dict[str, Path], monkeypatch) -> None:
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(InvalidRequest, match="torchrun --nproc-per-node 2"):
+        mii_server.pipeline(str(tiny_checkpoints["llama"]), tensor_parallel=2)
