@@ -36,7 +36,9 @@ class FakeReplica(generation_pb2_grpc.GenerationServicer):
         out = []
         for i, prompt in enumerate(request.prompts):
             text = self._text(prompt, context)
-            out.append(convert.completion_to_proto(Response(text, len(prompt), len(text), FinishReason.STOP), i))
+            out.append(
+                convert.completion_to_proto(Response(text, len(prompt), len(text), FinishReason.STOP), i)
+            )
         return pb.GenerateReply(completions=out)
 
     def GenerateStream(self, request, context) -> Iterator[pb.Completion]:
@@ -57,7 +59,9 @@ class FakeReplica(generation_pb2_grpc.GenerationServicer):
                     yield convert.completion_to_proto(Response(text[step], 1, step + 1, reason), i)
 
     def Stats(self, request, context):
-        return pb.StatsReply(replicas=[pb.ReplicaStats(healthy=True, pid=1, prompts_received=len(self.prompts))])
+        return pb.StatsReply(
+            replicas=[pb.ReplicaStats(healthy=True, pid=1, prompts_received=len(self.prompts))]
+        )
 
     def Terminate(self, request, context):
         self.terminated.set()

@@ -53,3 +53,24 @@ def descendants(pid: int) -> set[int]:
                 out.add(child)
                 stack.append(child)
     return out
+
+
+def deployment_processes(name: str) -> list[int]:
+    """Pids of live ``mii_server.launch`` processes whose config names deployment ``name``."""
+    from mii_server.serving.launcher import decode
+    from mii_server.serving.registry import pid_alive
+
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"mii_server.launch" not in argv or b"--config" not in argv:
+            continue
+        spec = decode(argv[argv.index(b"--config") + 1].decode())
+        if spec.deployment.deployment_name == name and pid_alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found

@@ -53,9 +53,13 @@ def test_out_of_range_values_from_the_wire_are_rejected() -> None:
 def test_completion_round_trip_and_reply_order() -> None:
     a = Response("hello", 3, 2, FinishReason.STOP, [5, 6])
     b = Response("", 4, 0, FinishReason.LENGTH, [])
-    reply = pb.GenerateReply(completions=[convert.completion_to_proto(b, 1), convert.completion_to_proto(a, 0)])
+    reply = pb.GenerateReply(
+        completions=[convert.completion_to_proto(b, 1), convert.completion_to_proto(a, 0)]
+    )
     assert convert.reply_from_proto(reply, 2) == [a, b]
-    chunk = convert.chunk_from_proto(convert.completion_to_proto(Response("x", 1, 1, FinishReason.NONE, [9]), 4))
+    chunk = convert.chunk_from_proto(
+        convert.completion_to_proto(Response("x", 1, 1, FinishReason.NONE, [9]), 4)
+    )
     assert chunk.prompt_index == 4 and chunk.finish_reason is FinishReason.NONE and chunk.token_ids == [9]
     assert isinstance(chunk, Response)
 
@@ -69,7 +73,20 @@ def test_reply_must_cover_every_prompt_once() -> None:
 
 
 def test_stats_round_trip() -> None:
-    stats = ReplicaStats(1, "h:1", True, pid=42, prompts_received=3, prompts_routed=4, running=1, waiting=2,
-                         free_blocks=5, total_blocks=6, requests_finished=7, prompt_tokens=8,
-                         generated_tokens=9, preemptions=10)
+    stats = ReplicaStats(
+        1,
+        "h:1",
+        True,
+        pid=42,
+        prompts_received=3,
+        prompts_routed=4,
+        running=1,
+        waiting=2,
+        free_blocks=5,
+        total_blocks=6,
+        requests_finished=7,
+        prompt_tokens=8,
+        generated_tokens=9,
+        preemptions=10,
+    )
     assert convert.stats_from_proto(convert.stats_to_proto(stats)) == stats

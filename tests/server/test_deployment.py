@@ -24,7 +24,7 @@ from mii_server.serving import registry
 from mii_server.serving.client import Client
 from mii_server.serving.ports import port_is_free
 
-from .helpers import descendants, free_port_block, wait_for
+from .helpers import deployment_processes, descendants, free_port_block, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -68,7 +68,13 @@ def deployment(registry_env: str) -> Deployment:
 
 
 def _same(got: Response, want: Response) -> None:
-    assert (got.generated_text, got.token_ids, got.finish_reason, got.prompt_length, got.generated_length) == (
+    assert (
+        got.generated_text,
+        got.token_ids,
+        got.finish_reason,
+        got.prompt_length,
+        got.generated_length,
+    ) == (
         want.generated_text,
         want.token_ids,
         want.finish_reason,
@@ -151,14 +157,20 @@ def test_a_second_process_reconnects_by_name(deployment, expected) -> None:
         f"c = mii_server.client({NAME!r}); "
         f"print(json.dumps([r.generated_text for r in c.generate({PROMPTS[:3]!r}, **{GREEDY!r})]))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == [r.generated_text for r in expected[:3]]
 
 
 def _curl(*args: str) -> tuple[int, str]:
     out = subprocess.run(
-        ["curl", "-sS", "-N", "-w", "\n%{http_code}", *args], capture_output=True, text=True, timeout=120, check=True
+        ["curl", "-sS", "-N", "-w", "\n%{http_code}", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
     body, _, status = out.stdout.rpartition("\n")
     return int(status), body
@@ -167,7 +179,9 @@ def _curl(*args: str) -> tuple[int, str]:
 @pytest.mark.skipif(shutil.which("curl") is None, reason="needs the curl binary")
 def test_curl_plain_and_streaming(deployment, expected) -> None:
     body = json.dumps({"prompts": PROMPTS[:3], **GREEDY})
-    status, text = _curl("-X", "POST", "-H", "Content-Type: application/json", "-d", body, deployment.rest_url)
+    status, text = _curl(
+        "-X", "POST", "-H", "Content-Type: application/json", "-d", body, deployment.rest_url
+    )
     assert status == 200
     plain = json.loads(text)
     assert [r["generated_text"] for r in plain] == [r.generated_text for r in expected[:3]]
@@ -242,6 +256,7 @@ def test_terminate_leaves_no_process_and_frees_every_port(deployment) -> None:
     deployment.client.terminate_server()
     alive = [pid for pid in tree if registry.pid_alive(pid)]
     assert alive == []
+    assert deployment_processes(NAME) == []
     assert registry.read(NAME) is None
     for port in (deployment.lb_port, deployment.lb_port + 1, deployment.lb_port + 2, deployment.rest_port):
         assert port_is_free("127.0.0.1", port), port

@@ -16,13 +16,23 @@ def test_mii_defaults_and_derived_ports() -> None:
     assert cfg.deployment_name == "mii-server-demo-mii-deployment"
     assert cfg.rest_url == "http://127.0.0.1:28080/mii/mii-server-demo-mii-deployment"
     assert cfg.ports_in_use_by_deployment() == {
-        50050: "load balancer", 50051: "replica 0", 50052: "replica 1", 50053: "replica 2", 28080: "REST gateway",
+        50050: "load balancer",
+        50051: "replica 0",
+        50052: "replica 1",
+        50053: "replica 2",
+        28080: "REST gateway",
     }
 
 
 def test_kwargs_are_split_between_model_and_deployment() -> None:
-    cfg = DeploymentConfig.from_kwargs("/models/llama-7b/", max_length=256, tensor_parallel=2, replica_num=2,
-                                       port_number=6000, deployment_name="mine")
+    cfg = DeploymentConfig.from_kwargs(
+        "/models/llama-7b/",
+        max_length=256,
+        tensor_parallel=2,
+        replica_num=2,
+        port_number=6000,
+        deployment_name="mine",
+    )
     assert cfg.model.max_length == 256 and cfg.model.tensor_parallel == 2
     assert cfg.model.model_name_or_path == "/models/llama-7b/"
     assert cfg.replica_ports == [6001, 6003]  # one port per rank reserved, as MII does

@@ -30,5 +30,7 @@ def test_no_torch(module: str) -> None:
         "'mii_server.models', 'mii_server.batching', 'transformers'))); "
         "print(heavy); sys.exit(1 if heavy else 0)"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
     assert result.returncode == 0, f"{module} imports heavy modules: {result.stdout}{result.stderr}"

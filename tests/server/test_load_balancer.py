@@ -99,7 +99,9 @@ def test_leaving_a_stream_cancels_it_on_the_replica(cluster) -> None:
     stream = client.generate_stream(["endless"], max_new_tokens=999)
     next(stream)
     stream.close()
-    wait_for(lambda: fakes[0].cancelled.is_set() or fakes[1].cancelled.is_set(), 10, "the replica to see cancel")
+    wait_for(
+        lambda: fakes[0].cancelled.is_set() or fakes[1].cancelled.is_set(), 10, "the replica to see cancel"
+    )
 
 
 def test_terminate_fans_out_to_every_replica(cluster) -> None:
@@ -131,7 +133,9 @@ def test_many_threads_share_one_client(cluster) -> None:
     results: dict[int, list[str]] = {}
 
     def worker(t: int) -> None:
-        results[t] = [r.generated_text.split("@")[0] for r in client.generate([f"t{t}-{i}" for i in range(5)])]
+        results[t] = [
+            r.generated_text.split("@")[0] for r in client.generate([f"t{t}-{i}" for i in range(5)])
+        ]
 
     threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
     for th in threads:

@@ -11,8 +11,14 @@ from mii_server.serving import registry
 
 def _record(name: str, pid: int) -> registry.DeploymentRecord:
     return registry.DeploymentRecord(
-        name=name, state="ready", supervisor_pid=pid, address="127.0.0.1:1", replica_addresses=["127.0.0.1:2"],
-        rest_url=None, log_dir="/tmp", model="",
+        name=name,
+        state="ready",
+        supervisor_pid=pid,
+        address="127.0.0.1:1",
+        replica_addresses=["127.0.0.1:2"],
+        rest_url=None,
+        log_dir="/tmp",
+        model="",
     )
 
 

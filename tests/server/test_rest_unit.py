@@ -26,7 +26,9 @@ class StandInClient:
 
     def generate_stream(self, prompts, **kwargs):
         GenerateParams.from_kwargs(**kwargs)
-        return iter([StreamChunk(c, 1, n + 1, FinishReason.NONE, [n], prompt_index=0) for n, c in enumerate("ab")])
+        return iter(
+            [StreamChunk(c, 1, n + 1, FinishReason.NONE, [n], prompt_index=0) for n, c in enumerate("ab")]
+        )
 
 
 @pytest.fixture()
@@ -42,7 +44,9 @@ def test_plain_request(http) -> None:
     assert [r["generated_text"] for r in reply.get_json()] == ["A", "B"]
     assert reply.get_json()[0]["finish_reason"] == "stop"
     assert stand_in.calls == [(["a", "b"], {"max_new_tokens": 3})]
-    assert client.post("/mii/dep", data=json.dumps({"prompts": "one"})).get_json()[0]["generated_text"] == "ONE"
+    assert (
+        client.post("/mii/dep", data=json.dumps({"prompts": "one"})).get_json()[0]["generated_text"] == "ONE"
+    )
 
 
 @pytest.mark.parametrize(
@@ -50,7 +54,7 @@ def test_plain_request(http) -> None:
     [
         ("{nope", "not valid JSON"),
         ("[1, 2]", "JSON object"),
-        ('{"max_new_tokens": 3}', "lacks \\\"prompts\\\""),
+        ('{"max_new_tokens": 3}', 'lacks \\"prompts\\"'),
         ('{"prompts": [1, 2]}', "list of strings"),
         ('{"prompts": ["a"], "stream": "yes"}', "stream"),
         ('{"prompts": ["a"], "max_new_tokns": 3}', "max_new_tokns"),
@@ -69,7 +73,10 @@ def test_other_statuses(http) -> None:
     client, _ = http
     assert client.post("/mii/other", data='{"prompts": ["a"]}').status_code == 404
     reply = client.post("/mii/dep", data='{"prompts": ["overload"]}')
-    assert reply.status_code == 503 and reply.get_json()["error"] == {"type": "CapacityExceeded", "message": "busy"}
+    assert reply.status_code == 503 and reply.get_json()["error"] == {
+        "type": "CapacityExceeded",
+        "message": "busy",
+    }
     assert client.get("/mii/dep").status_code == 405
     assert client.get("/healthz").get_json() == {"status": "ok"}
 
