@@ -17,6 +17,8 @@ from .launcher import PARENT_PID_ENV, LaunchSpec
 
 log = logging.getLogger(__name__)
 
+ENGINE_CHECK_S = 1.0  # how often a replica checks that its batching loop still runs
+
 
 def setup_logging(role: str) -> None:
     logging.basicConfig(
@@ -57,7 +59,12 @@ def run_replica(spec: LaunchSpec) -> int:
         servicer.attach(driver)
         grpc_common.set_serving(health, True)
         log.info("replica %d serving", index)
-        servicer.stop_requested.wait()
+        while not servicer.stop_requested.wait(ENGINE_CHECK_S):
+            if not driver.alive:  # the batching loop died: exit non-zero so the supervisor restarts us
+                log.error("replica %d: engine died; exiting for a restart", index)
+                grpc_common.set_serving(health, False)
+                server.stop(grace=1).wait()
+                return 1
         grpc_common.set_serving(health, False)
         server.stop(grace=5).wait()
     finally:
