@@ -150,5 +150,5 @@ def test_destroy_then_call_raises_engine_dead(tiny_checkpoints: dict[str, Path])
     with pytest.raises(EngineDead):
         doomed("Hello", max_new_tokens=2)
     with pytest.raises(EngineDead):
-        doomed.tokenizer
+        _ = doomed.tokenizer
     doomed.destroy()  # a second destroy is harmless
