@@ -55,8 +55,11 @@ def descendants(pid: int) -> set[int]:
     return out
 
 
-def deployment_processes(name: str) -> list[int]:
-    """Pids of live ``mii_server.launch`` processes whose config names deployment ``name``."""
+def deployment_processes(name: str, registry_dir: str) -> list[int]:
+    """Pids of live ``mii_server.launch`` processes of deployment ``name`` in ``registry_dir``.
+
+    Both must match: another test run on this machine may serve a deployment of the same name.
+    """
     from mii_server.serving.launcher import decode
     from mii_server.serving.registry import pid_alive
 
@@ -71,6 +74,7 @@ def deployment_processes(name: str) -> list[int]:
         if b"mii_server.launch" not in argv or b"--config" not in argv:
             continue
         spec = decode(argv[argv.index(b"--config") + 1].decode())
-        if spec.deployment.deployment_name == name and pid_alive(int(entry.name)):
+        same = spec.deployment.deployment_name == name and spec.deployment.registry_dir == registry_dir
+        if same and pid_alive(int(entry.name)):
             found.append(int(entry.name))
     return found

@@ -249,14 +249,14 @@ def test_a_sigkilled_replica_is_restarted_and_serves_again(deployment, expected)
     assert deployment.client.stats()[1].prompts_received > 0  # the new process served some of them
 
 
-def test_terminate_leaves_no_process_and_frees_every_port(deployment) -> None:
+def test_terminate_leaves_no_process_and_frees_every_port(deployment, registry_env) -> None:
     supervisor = registry.read(NAME).supervisor_pid
     tree = descendants(supervisor) | {supervisor}
     assert len(tree) >= 5  # supervisor, 2 replicas, load balancer, REST gateway
     deployment.client.terminate_server()
     alive = [pid for pid in tree if registry.pid_alive(pid)]
     assert alive == []
-    assert deployment_processes(NAME) == []
+    assert deployment_processes(NAME, registry_env) == []
     assert registry.read(NAME) is None
     for port in (deployment.lb_port, deployment.lb_port + 1, deployment.lb_port + 2, deployment.rest_port):
         assert port_is_free("127.0.0.1", port), port

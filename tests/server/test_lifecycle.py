@@ -48,7 +48,7 @@ def test_a_child_dying_during_start_up_raises_with_its_log_tail(registry_env: st
     assert "replica 0" in message and "exited with status" in message
     assert "no-such-model" in message  # from the replica's own traceback, via its log
     assert registry.read("broken") is None
-    assert deployment_processes("broken") == []
+    assert deployment_processes("broken", registry_env) == []
 
 
 def test_cli_serves_in_the_foreground_and_ctrl_c_tears_down(registry_env: str) -> None:
@@ -86,7 +86,7 @@ def test_cli_serves_in_the_foreground_and_ctrl_c_tears_down(registry_env: str) -
         proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
         assert proc.wait(timeout=60) == 0
         assert [pid for pid in tree if registry.pid_alive(pid)] == []
-        assert deployment_processes(name) == []
+        assert deployment_processes(name, registry_env) == []
         assert registry.read(name) is None
     finally:
         if proc.poll() is None:
