@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from ..errors import ReplicaUnavailable
+from ..errors import InvalidRequest, ReplicaUnavailable
 from ..generation.params import GenerateParams
 from ..generation.response import Response
 from ..wire import convert, generation_pb2_grpc
@@ -31,8 +31,6 @@ TERMINATE_WAIT_S = 120.0
 
 
 def _prompt_list(prompts: str | list[str]) -> list[str]:
-    from ..errors import InvalidRequest
-
     prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
     if not all(isinstance(p, str) for p in prompt_list):
         raise InvalidRequest("prompts must be a string or a list of strings")
