@@ -129,10 +129,10 @@ def pipeline(model_name_or_path: str = "", **model_kwargs: Any) -> Pipeline | Fo
     placement = RankPlacement(
         rank=rank,
         world_size=world,
-        init_method="env://",
+        device=pick_device(config, local_rank),
         channel_host=os.environ.get("MASTER_ADDR", "127.0.0.1"),
         channel_port=int(os.environ.get("MII_SERVER_ZMQ_PORT", DEFAULT_ZMQ_PORT)),
-        device=pick_device(config, local_rank),
+        init_method="env://",
     )
     started = start_rank(config, placement)
     if started.subscriber is not None:

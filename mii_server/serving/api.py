@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..errors import DeploymentNotFound, DeploymentStartError
-from . import launcher, ports, registry
+from ..errors import DeploymentNotFound, DeploymentStartError, InvalidRequest
+from . import devices, launcher, ports, registry
 from .client import Client
 from .deployment import DeploymentConfig, default_deployment_name
 from .launcher import LaunchSpec
@@ -29,6 +29,10 @@ def serve(model_name_or_path: str = "", **kwargs: Any) -> Client:
     # resolve the registry now, so that every process of the deployment agrees on it
     config = config.model_copy(update={"registry_dir": str(registry.registry_dir(config.registry_dir))})
     name, directory = config.deployment_name, config.registry_dir
+    try:  # more GPUs than visible is the caller's error, raised before anything starts
+        devices.replica_gpus(config.replica_num, config.model.tensor_parallel, config.gpu_groups, config.model.device)
+    except ValueError as err:
+        raise InvalidRequest(str(err)) from None
     claim_name(name, directory)
     ports.ensure_free(
         config.ports_in_use_by_deployment(),

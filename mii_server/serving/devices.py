@@ -26,14 +26,18 @@ def visible_gpus() -> list[str]:
     return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
 
 
-def replica_gpus(replica_num: int, tensor_parallel: int, explicit: list[list[int]]) -> list[list[str]] | None:
-    """GPU ids per replica, or None when there are no GPUs (CPU deployment: leave the env alone).
+def replica_gpus(
+    replica_num: int, tensor_parallel: int, explicit: list[list[int]], device: str = "auto"
+) -> list[list[str]] | None:
+    """GPU ids per replica, or None for a CPU deployment (no GPUs, or ``device='cpu'``).
 
     ``explicit`` (from ``device_map``) indexes the visible GPUs; 'auto' gives replica i the contiguous
-    group ``[i*T, (i+1)*T)``, wrapping around (and sharing GPUs) when there are too few.
+    group ``[i*T, (i+1)*T)``. Raises ValueError when the deployment needs more GPUs than are visible.
     """
-    gpus = visible_gpus()
+    gpus = [] if device == "cpu" else visible_gpus()
     if not gpus:
+        if device == "cuda":
+            raise ValueError("device='cuda' was asked for, but no GPU is visible")
         return None
     if explicit:
         bad = sorted({i for group in explicit for i in group if i >= len(gpus) or i < 0})
@@ -42,14 +46,9 @@ def replica_gpus(replica_num: int, tensor_parallel: int, explicit: list[list[int
         return [[gpus[i] for i in group] for group in explicit]
     needed = replica_num * tensor_parallel
     if needed > len(gpus):
-        log.warning(
-            "%d replicas x %d ranks need %d GPUs; %d visible: replicas will share GPUs",
-            replica_num,
-            tensor_parallel,
-            needed,
-            len(gpus),
+        raise ValueError(
+            f"{replica_num} replica(s) x tensor_parallel={tensor_parallel} need {needed} GPUs, but "
+            f"{len(gpus)} are visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+            "lower replica_num or tensor_parallel, or pass device='cpu'"
         )
-    return [
-        [gpus[(i * tensor_parallel + k) % len(gpus)] for k in range(tensor_parallel)]
-        for i in range(replica_num)
-    ]
+    return [gpus[i * tensor_parallel : (i + 1) * tensor_parallel] for i in range(replica_num)]

@@ -51,10 +51,22 @@ def start_server(
     return server, health_servicer
 
 
+# The load balancer's health for this service name is SERVING only while it routes to every
+# replica; the supervisor waits for it, so the first request after serve() can use them all.
+ALL_REPLICAS_SERVICE = "mii_server.AllReplicas"
+
+
+def _status(serving: bool) -> int:
+    return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+
+
 def set_serving(health_servicer: health.HealthServicer, serving: bool) -> None:
-    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ("", SERVICE_NAME):
-        health_servicer.set(name, status)
+        health_servicer.set(name, _status(serving))
+
+
+def set_all_replicas_serving(health_servicer: health.HealthServicer, serving: bool) -> None:
+    health_servicer.set(ALL_REPLICAS_SERVICE, _status(serving))
 
 
 def channel(address: str) -> grpc.Channel:
@@ -65,11 +77,11 @@ def aio_channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 
-def is_serving(ch: grpc.Channel, timeout: float = 1.0) -> bool:
-    """One grpc.health.v1 Check; False for NOT_SERVING, unreachable or slow."""
+def is_serving(ch: grpc.Channel, timeout: float = 1.0, service: str = "") -> bool:
+    """One grpc.health.v1 Check of ``service``; False for NOT_SERVING, unknown, unreachable or slow."""
     try:
         reply = health_pb2_grpc.HealthStub(ch).Check(
-            health_pb2.HealthCheckRequest(service=""), timeout=timeout
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout
         )
     except grpc.RpcError:
         return False

@@ -20,8 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .deployment import DeploymentConfig
 
-Role = Literal["supervisor", "replica", "load-balancer", "rest-gateway"]
-ROLES: tuple[Role, ...] = ("supervisor", "replica", "load-balancer", "rest-gateway")
+Role = Literal["supervisor", "replica", "replica-rank", "load-balancer", "rest-gateway"]
+ROLES: tuple[Role, ...] = ("supervisor", "replica", "replica-rank", "load-balancer", "rest-gateway")
 PARENT_PID_ENV = "MII_SERVER_PARENT_PID"
 
 
@@ -32,6 +32,22 @@ class LaunchSpec(BaseModel):
 
     deployment: DeploymentConfig = Field(description="The whole deployment's configuration.")
     replica_index: int | None = Field(default=None, ge=0, description="Which replica (role replica only).")
+    rank_link: RankLink | None = Field(
+        default=None, description="How a tensor-parallel follower finds its rank 0 (role replica-rank only)."
+    )
+
+
+class RankLink(BaseModel):
+    """What rank 0 of a replica tells each follower rank it starts."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int = Field(ge=1, description="This follower's rank (1..T-1).")
+    store_port: int = Field(ge=1, le=65535, description="Rank 0's torch.distributed TCPStore port.")
+    channel_port: int = Field(ge=1, le=65535, description="Rank 0's ZMQ step publisher port.")
+
+
+LaunchSpec.model_rebuild()
 
 
 def encode(spec: LaunchSpec) -> str:

@@ -68,11 +68,11 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
         for i, ch in enumerate(self._channels):
             self.router.mark(i, grpc_common.is_serving(ch, timeout=2.0))
 
-    def monitor(self, on_change: Callable[[bool], None], interval_s: float = HEALTH_INTERVAL_S) -> None:
-        """Probe replicas until stopped; ``on_change(any_up)`` after each round."""
+    def monitor(self, on_change: Callable[[bool, bool], None], interval_s: float = HEALTH_INTERVAL_S) -> None:
+        """Probe replicas until stopped; ``on_change(any_up, all_up)`` after each round."""
         while not self.stop_requested.is_set():
             self.probe_replicas()
-            on_change(self.router.any_up())
+            on_change(self.router.any_up(), self.router.all_up())
             self.stop_requested.wait(interval_s)
 
     def close(self) -> None:

@@ -43,8 +43,8 @@ def _check_parent() -> None:
 
 def run_replica(spec: LaunchSpec) -> int:
     """Rank 0 of one replica: gRPC (NOT_SERVING while the model loads), then the engine."""
-    from .engine_driver import EngineDriver  # why here: only replicas import torch
     from .replica import ReplicaServicer
+    from .tp_replica import ReplicaEngine  # why here: only replicas import torch
 
     _check_parent()
     cfg = spec.deployment
@@ -54,7 +54,8 @@ def run_replica(spec: LaunchSpec) -> int:
     _stop_on_signals(servicer.stop_requested)
     server, health = grpc_common.start_server(servicer, cfg.host, cfg.replica_ports[index], max_workers=256)
     log.info("replica %d listening on %s; loading %r", index, address, cfg.model.model_name_or_path or "demo")
-    driver = EngineDriver(cfg.model)
+    engine = ReplicaEngine(spec)
+    driver = engine.driver
     try:
         servicer.attach(driver)
         grpc_common.set_serving(health, True)
@@ -68,9 +69,17 @@ def run_replica(spec: LaunchSpec) -> int:
         grpc_common.set_serving(health, False)
         server.stop(grace=5).wait()
     finally:
-        driver.shutdown()
+        engine.shutdown()
     log.info("replica %d stopped", index)
     return 0
+
+
+def run_replica_rank(spec: LaunchSpec) -> int:
+    """Ranks 1..T-1 of a replica, started by its rank 0 (see ``tp_replica``)."""
+    from .tp_replica import run_follower
+
+    _check_parent()
+    return run_follower(spec)
 
 
 def run_load_balancer(spec: LaunchSpec) -> int:
@@ -81,9 +90,11 @@ def run_load_balancer(spec: LaunchSpec) -> int:
     balancer = LoadBalancer(cfg.replica_addresses)
     _stop_on_signals(balancer.stop_requested)
     server, health = grpc_common.start_server(balancer, cfg.host, cfg.port_number, max_workers=256)
-    monitor = threading.Thread(
-        target=balancer.monitor, args=(lambda up: grpc_common.set_serving(health, up),), daemon=True
-    )
+    def on_change(any_up: bool, all_up: bool) -> None:
+        grpc_common.set_serving(health, any_up)
+        grpc_common.set_all_replicas_serving(health, all_up)
+
+    monitor = threading.Thread(target=balancer.monitor, args=(on_change,), daemon=True)
     monitor.start()
     log.info("load balancer on %s over %s", cfg.lb_address, ", ".join(cfg.replica_addresses))
     balancer.stop_requested.wait()
@@ -109,6 +120,7 @@ def run_supervisor(spec: LaunchSpec) -> int:
 RUNNERS = {
     "supervisor": run_supervisor,
     "replica": run_replica,
+    "replica-rank": run_replica_rank,
     "load-balancer": run_load_balancer,
     "rest-gateway": run_rest_gateway,
 }

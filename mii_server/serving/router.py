@@ -39,6 +39,10 @@ class RoundRobinRouter:
         with self._lock:
             return any(self._up)
 
+    def all_up(self) -> bool:
+        with self._lock:
+            return all(self._up)
+
     def routed(self, replica: int) -> int:
         with self._lock:
             return self._routed[replica]

@@ -60,7 +60,7 @@ class Supervisor:
 
     def _plan(self) -> list[Child]:
         cfg = self.config
-        gpus = devices.replica_gpus(cfg.replica_num, cfg.model.tensor_parallel, cfg.gpu_groups)
+        gpus = devices.replica_gpus(cfg.replica_num, cfg.model.tensor_parallel, cfg.gpu_groups, cfg.model.device)
         children = []
         for i in range(cfg.replica_num):
             env = dict(os.environ)
@@ -145,6 +145,8 @@ class Supervisor:
                 ch.close()
 
     def _answers(self, child: Child, channel) -> bool:
+        if child.role == "load-balancer":  # ready once it routes to every replica, not just one
+            return grpc_common.is_serving(channel, timeout=1.0, service=grpc_common.ALL_REPLICAS_SERVICE)
         if channel is not None:
             return grpc_common.is_serving(channel, timeout=1.0)
         url = f"http://{self.config.restful_api_host}:{self.config.restful_api_port}/healthz"

@@ -22,7 +22,9 @@ class StepPublisher:
         self._socket = self._ctx.socket(zmq.XPUB)  # XPUB: subscriptions arrive as messages we can count
         self._socket.setsockopt(zmq.XPUB_VERBOSE, 1)  # report every subscriber, not just the first
         self._socket.setsockopt(zmq.SNDHWM, 0)  # never drop a step
-        self._socket.bind(f"tcp://{host}:{port}")
+        self._socket.bind(f"tcp://{host}:{port or '*'}")
+        # the bound port (the OS picks one when ``port`` is 0)
+        self.port = int(self._socket.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
 
     def wait_for_subscribers(self, count: int, timeout_s: float) -> None:
         """Block until ``count`` followers have subscribed; EngineDead after ``timeout_s``."""

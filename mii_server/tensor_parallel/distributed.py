@@ -12,11 +12,18 @@ from ..models.parallel import TensorParallelGroup
 
 
 def init_tensor_parallel(
-    rank: int, world_size: int, init_method: str, device: torch.device, timeout_s: float = 600.0
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    *,
+    init_method: str | None = None,
+    store: dist.Store | None = None,
+    timeout_s: float = 600.0,
 ) -> TensorParallelGroup:
     """Join the replica's process group: NCCL on CUDA, gloo on the CPU, chosen from ``device``.
 
-    ``init_method``: ``tcp://host:port`` (a port allocated per replica) or ``env://`` under torchrun.
+    Rendezvous through ``store`` (a TCPStore rank 0 opened on a port the OS picked, so replicas and
+    deployments never collide) or ``init_method`` (``env://`` under torchrun).
     """
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
@@ -24,11 +31,21 @@ def init_tensor_parallel(
     dist.init_process_group(
         backend,
         init_method=init_method,
+        store=store,
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     return TensorParallelGroup(rank=rank, size=world_size, device=str(device))
+
+
+def open_store(host: str, rank: int, world_size: int, port: int = 0, timeout_s: float = 600.0) -> dist.TCPStore:
+    """Rank 0 opens the rendezvous store (port 0: the OS picks a free one, read back from ``.port``);
+    the other ranks connect to rank 0's port."""
+    return dist.TCPStore(
+        host, port, world_size, is_master=rank == 0, timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
 
 
 def torchrun_rank() -> tuple[int, int, int] | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -21,10 +22,11 @@ class RankPlacement:
 
     rank: int  # 0 schedules and samples; 1..T-1 follow
     world_size: int  # T, the replica's tensor-parallel degree
-    init_method: str  # torch.distributed rendezvous: tcp://host:port, or env:// under torchrun
-    channel_host: str  # address rank 0's step publisher binds (loopback unless multi-host)
-    channel_port: int  # its port
     device: torch.device  # this rank's GPU, or the CPU
+    channel_host: str  # address rank 0's step publisher binds (loopback unless multi-host)
+    channel_port: int  # its port (0 on rank 0: the OS picks one, see StepPublisher.port)
+    init_method: str | None = None  # torch.distributed rendezvous by URL (env:// under torchrun) ...
+    store: Any = None  # ... or through an open torch.distributed store
 
 
 @dataclass
@@ -34,10 +36,17 @@ class StartedRank:
     subscriber: StepSubscriber | None  # ranks 1..T-1
 
 
-def start_rank(config: ModelConfig, placement: RankPlacement) -> StartedRank:
-    tp = init_tensor_parallel(placement.rank, placement.world_size, placement.init_method, placement.device)
+def start_rank(
+    config: ModelConfig, placement: RankPlacement, publisher: StepPublisher | None = None
+) -> StartedRank:
+    """Join the group, load this rank's shard and open its end of the step channel. Rank 0 may
+    bring an already bound ``publisher`` (whose port it told the followers)."""
+    tp = init_tensor_parallel(
+        placement.rank, placement.world_size, placement.device,
+        init_method=placement.init_method, store=placement.store,
+    )
     if placement.rank == 0:
-        publisher = StepPublisher(placement.channel_host, placement.channel_port)
+        publisher = publisher or StepPublisher(placement.channel_host, placement.channel_port)
         runtime = build_runtime(config, tp, placement.device)
         publisher.wait_for_subscribers(placement.world_size - 1, SUBSCRIBE_TIMEOUT_S)
         return StartedRank(runtime, BroadcastExecutor(runtime.engine, publisher), None)

@@ -1,0 +1,100 @@
+"""A replica of T tensor-parallel ranks: rank 0 starts ranks 1..T-1 as its own children.
+
+Rank 0 binds the ZMQ step publisher and opens the torch.distributed store on ports the OS picks
+(so replicas and deployments on one host never collide) and hands both ports to the followers it
+spawns. The ranks live and die as a unit: a follower that exits makes rank 0 exit non-zero, and the
+supervisor restarts the whole replica; followers die with rank 0 (PR_SET_PDEATHSIG) and also leave
+when rank 0 falls silent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import threading
+
+from ..errors import EngineDead
+from ..runtime import pick_device
+from ..tensor_parallel.channel import StepPublisher
+from ..tensor_parallel.distributed import open_store
+from ..tensor_parallel.executor import follow
+from ..tensor_parallel.ranks import RankPlacement, start_rank
+from . import launcher, registry
+from .engine_driver import EngineDriver
+from .launcher import LaunchSpec, RankLink
+
+log = logging.getLogger(__name__)
+
+FOLLOWER_STOP_S = 30.0
+
+
+class ReplicaEngine:
+    """Rank 0's engine plus the follower processes it started (none when T is 1)."""
+
+    def __init__(self, spec: LaunchSpec) -> None:
+        cfg = spec.deployment
+        world = cfg.model.tensor_parallel
+        self.followers: list[subprocess.Popen] = []
+        self._stopping = threading.Event()
+        if world == 1:
+            self.driver = EngineDriver(cfg.model)
+            return
+        publisher = StepPublisher(cfg.host, 0)
+        store = open_store(cfg.host, 0, world)
+        index = spec.replica_index or 0
+        log_dir = registry.log_dir(cfg.deployment_name, cfg.registry_dir)
+        for rank in range(1, world):
+            link = RankLink(rank=rank, store_port=store.port, channel_port=publisher.port)
+            follower_spec = spec.model_copy(update={"rank_link": link})
+            log_path = log_dir / f"replica-{index}-rank-{rank}.log"
+            self.followers.append(launcher.spawn("replica-rank", follower_spec, log_path, detach=False))
+            log.info("replica %d: started rank %d (pid %d), log %s", index, rank, self.followers[-1].pid, log_path)
+        for proc in self.followers:
+            threading.Thread(target=self._watch, args=(proc,), daemon=True).start()
+        placement = RankPlacement(
+            rank=0, world_size=world, device=pick_device(cfg.model, 0),
+            channel_host=cfg.host, channel_port=publisher.port, store=store,
+        )
+        started = start_rank(cfg.model, placement, publisher)
+        self.driver = EngineDriver(cfg.model, started.runtime, started.executor)
+
+    def _watch(self, proc: subprocess.Popen) -> None:
+        # A follower gone means the collectives can never complete: take the replica down at once
+        # (also while loading, when rank 0 may be blocked inside a collective) so it restarts whole.
+        code = proc.wait()
+        if not self._stopping.is_set():
+            log.error("tensor-parallel follower pid %d exited with %s; exiting for a restart", proc.pid, code)
+            os._exit(1)
+
+    def shutdown(self) -> None:
+        """Stop the engine (which releases the followers) and reap them."""
+        self._stopping.set()
+        self.driver.shutdown()
+        for proc in self.followers:
+            try:
+                proc.wait(timeout=FOLLOWER_STOP_S)
+            except subprocess.TimeoutExpired:
+                launcher.stop_group(proc)
+
+
+def run_follower(spec: LaunchSpec) -> int:
+    """Ranks 1..T-1: load this rank's shard and execute rank 0's Steps until told to stop."""
+    cfg = spec.deployment
+    link = spec.rank_link
+    assert link is not None, "a replica-rank process needs its rank link"
+    world = cfg.model.tensor_parallel
+    store = open_store(cfg.host, link.rank, world, port=link.store_port)
+    placement = RankPlacement(
+        rank=link.rank, world_size=world, device=pick_device(cfg.model, link.rank),
+        channel_host=cfg.host, channel_port=link.channel_port, store=store,
+    )
+    started = start_rank(cfg.model, placement)
+    assert started.subscriber is not None
+    try:
+        follow(started.runtime.engine, started.subscriber)
+    except EngineDead as err:
+        log.error("rank %d: %s; exiting", link.rank, err)
+        return 1
+    log.info("rank %d stopped", link.rank)
+    return 0

@@ -1,0 +1,84 @@
+"""serve(tensor_parallel=2, replica_num=2): four ranks, two replicas, the same greedy text; no orphans."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+import mii_server
+from mii_server.errors import InvalidRequest
+from mii_server.serving import registry
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "server"))
+from helpers import deployment_processes, free_port_block, wait_for  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = [f"prompt {i}: the quick brown fox" for i in range(6)]
+
+
+def test_tp2_two_replicas_serve_and_terminate(tiny_checkpoints: dict[str, Path]) -> None:
+    path = str(tiny_checkpoints["llama3"])
+    pipe = mii_server.pipeline(path)
+    expected = [r.token_ids for r in pipe(PROMPTS, max_new_tokens=12, do_sample=False, ignore_eos=True)]
+    pipe.destroy()
+
+    name = "tp-serve-test"
+    base = free_port_block(8)
+    client = mii_server.serve(path, deployment_name=name, tensor_parallel=2, replica_num=2, port_number=base)
+    registry_dir = str(registry.registry_dir())
+    try:
+        out = client.generate(PROMPTS, max_new_tokens=12, do_sample=False, ignore_eos=True)
+        assert [r.token_ids for r in out] == expected
+        stats = client.stats()
+        assert all(r.healthy and r.prompts_received == 3 for r in stats), stats  # both replicas served
+        roles = sorted(_role(pid) for pid in deployment_processes(name, registry_dir))
+        assert roles == ["load-balancer", "replica", "replica", "replica-rank", "replica-rank", "supervisor"]
+    finally:
+        client.terminate_server()
+    wait_for(lambda: not deployment_processes(name, registry_dir), 60, "every rank to exit")
+
+
+def test_a_follower_killed_restarts_the_replica(tiny_checkpoints: dict[str, Path]) -> None:
+    path = str(tiny_checkpoints["llama"])
+    name = "tp-restart-test"
+    base = free_port_block(4)
+    client = mii_server.serve(path, deployment_name=name, tensor_parallel=2, port_number=base)
+    registry_dir = str(registry.registry_dir())
+    try:
+        before = client.generate(["hello"], max_new_tokens=6, do_sample=False, ignore_eos=True)
+        followers = [pid for pid in deployment_processes(name, registry_dir) if _role(pid) == "replica-rank"]
+        assert len(followers) == 1
+        os.kill(followers[0], signal.SIGKILL)
+        wait_for(
+            lambda: [p for p in deployment_processes(name, registry_dir) if _role(p) == "replica-rank"]
+            not in ([], followers),
+            120,
+            "a new follower rank",
+        )
+
+        def serves_again() -> bool:
+            try:
+                return client.generate(["hello"], max_new_tokens=6, do_sample=False, ignore_eos=True) == before
+            except Exception:
+                return False
+
+        wait_for(serves_again, 120, "the restarted replica to serve", interval=0.5)
+    finally:
+        client.terminate_server()
+    wait_for(lambda: not deployment_processes(name, registry_dir), 60, "every rank to exit")
+
+
+def _role(pid: int) -> str:
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return argv[argv.index(b"--role") + 1].decode() if b"--role" in argv else ""
+
+
+def test_more_gpus_than_visible_is_an_error_at_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(InvalidRequest, match="need 4 GPUs, but 2 are visible"):
+        mii_server.serve(tensor_parallel=2, replica_num=2, deployment_name="too-many-gpus")
