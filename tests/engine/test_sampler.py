@@ -104,7 +104,7 @@ def pipe(tiny_checkpoints: dict[str, Path]) -> Pipeline:
 
 
 def tokens(pipe: Pipeline, **kwargs: object) -> list[list[int]]:
-    return [r.token_ids for r in pipe(PROMPTS, max_new_tokens=16, ignore_eos=True, **kwargs)]
+    return [r.token_ids for r in pipe(PROMPTS, max_new_tokens=10, ignore_eos=True, **kwargs)]
 
 
 def test_pipeline_same_seed_repeats_different_seeds_differ(pipe: Pipeline) -> None:
