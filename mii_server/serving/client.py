@@ -64,9 +64,14 @@ class Client:
         return f"Client({self.address!r}, deployment_name={self.deployment_name!r})"
 
     # ---- sync -------------------------------------------------------------------------------
-    def generate(self, prompts: str | list[str], **generate_kwargs: Any) -> list[Response]:
-        """One ``Response`` per prompt, in order, once all are finished."""
-        prompt_list, request = self._request(prompts, generate_kwargs)
+    def generate(
+        self, prompts: str | list[str], *, request_id: str = "", **generate_kwargs: Any
+    ) -> list[Response]:
+        """One ``Response`` per prompt, in order, once all are finished.
+
+        ``request_id`` (optional) names the request in every process's logs.
+        """
+        prompt_list, request = self._request(prompts, generate_kwargs, request_id)
         if not prompt_list:
             return []
         try:
@@ -77,12 +82,14 @@ class Client:
 
     __call__ = generate  # MII's client is callable too
 
-    def generate_stream(self, prompts: str | list[str], **generate_kwargs: Any) -> Iterator[StreamChunk]:
+    def generate_stream(
+        self, prompts: str | list[str], *, request_id: str = "", **generate_kwargs: Any
+    ) -> Iterator[StreamChunk]:
         """Incremental chunks for every prompt as they are produced (see the module docstring).
 
         Kwargs are validated now; breaking out of the loop cancels the request on the server.
         """
-        prompt_list, request = self._request(prompts, generate_kwargs)
+        prompt_list, request = self._request(prompts, generate_kwargs, request_id)
         return self._stream(request) if prompt_list else iter(())
 
     def _stream(self, request: pb.GenerateRequest) -> Iterator[StreamChunk]:
@@ -95,10 +102,28 @@ class Client:
         finally:
             call.cancel()  # no-op after a clean end
 
-    def stats(self) -> list[ReplicaStats]:
+    def apply_chat_template(self, messages: list[tuple[str, str]], *, request_id: str = "") -> str:
+        """The prompt the model's chat template makes of (role, content) ``messages`` (rendered by a replica).
+
+        ``InvalidRequest`` when the model has no chat template.
+        """
+        request = convert.chat_request_to_proto(messages, add_generation_prompt=True, request_id=request_id)
+        try:
+            reply = self._stub.ApplyChatTemplate(request, timeout=self.timeout)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, self.address) from None
+        return convert.chat_prompt_from_proto(reply)
+
+    def open_stream(self, prompts: list[str], params: GenerateParams, *, request_id: str = "") -> StreamCall:
+        """Start a streaming request with already validated ``params``; the result can be cancelled from
+        any thread (what an HTTP server needs when its client disconnects)."""
+        request = convert.request_to_proto(_prompt_list(prompts), params, request_id)
+        return StreamCall(self._stub.GenerateStream(request, timeout=self.timeout), self.address)
+
+    def stats(self, timeout: float = 30.0) -> list[ReplicaStats]:
         """Counters of every replica (down ones have ``healthy=False``)."""
         try:
-            reply = self._stub.Stats(pb.StatsRequest(), timeout=30.0)
+            reply = self._stub.Stats(pb.StatsRequest(), timeout=timeout)
         except grpc.RpcError as err:
             raise error_from_rpc(err, self.address) from None
         return [convert.stats_from_proto(r) for r in reply.replicas]
@@ -199,8 +224,27 @@ class Client:
 
     # ---- helpers ----------------------------------------------------------------------------
     def _request(
-        self, prompts: str | list[str], kwargs: dict[str, Any]
+        self, prompts: str | list[str], kwargs: dict[str, Any], request_id: str = ""
     ) -> tuple[list[str], pb.GenerateRequest]:
         prompt_list = _prompt_list(prompts)
         params = GenerateParams.from_kwargs(**kwargs)
-        return prompt_list, convert.request_to_proto(prompt_list, params)
+        return prompt_list, convert.request_to_proto(prompt_list, params, request_id)
+
+
+class StreamCall:
+    """One GenerateStream RPC: iterate it for ``StreamChunk``s (typed errors on failure); ``cancel()`` from
+    any thread ends it and aborts its prompts on the replicas."""
+
+    def __init__(self, call: Any, address: str) -> None:
+        self._call = call
+        self._address = address
+
+    def __iter__(self) -> Iterator[StreamChunk]:
+        try:
+            for msg in self._call:
+                yield convert.chunk_from_proto(msg)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, self._address) from None
+
+    def cancel(self) -> None:
+        self._call.cancel()  # no-op after a clean end

@@ -81,6 +81,7 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
 
     # ---- RPCs -------------------------------------------------------------------------------
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.GenerateReply:
+        log.debug("request_id=%s Generate prompts=%d", request.request_id or "-", len(request.prompts))
         calls = _CallSet()
         context.add_callback(calls.cancel_all)
         results: list[pb.Completion | None] = [None] * len(request.prompts)
@@ -123,6 +124,7 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
     def GenerateStream(
         self, request: pb.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.Completion]:
+        log.debug("request_id=%s GenerateStream prompts=%d", request.request_id or "-", len(request.prompts))
         calls = _CallSet()
         context.add_callback(calls.cancel_all)
         events: queue.Queue = queue.Queue()
@@ -201,6 +203,24 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
             entry.prompts_routed = self.router.routed(i)
             reply.replicas.append(entry)
         return reply
+
+    def ApplyChatTemplate(
+        self, request: pb.ChatTemplateRequest, context: grpc.ServicerContext
+    ) -> pb.ChatTemplateReply:
+        """Any one replica renders (they all hold the same tokenizer); UNAVAILABLE ones are skipped."""
+        failed: set[int] = set()
+        while True:
+            try:
+                (replica,) = self.router.assign(1, exclude=failed)
+            except MIIServerError as exc:
+                abort_rpc(context, exc)
+            try:
+                return self._stubs[replica].ApplyChatTemplate(request, timeout=STATS_TIMEOUT_S)
+            except grpc.RpcError as err:
+                if not is_retryable(err):
+                    forward_rpc_error(context, err)
+                self.router.mark(replica, False)
+                failed.add(replica)
 
     def Terminate(self, request: pb.TerminateRequest, context: grpc.ServicerContext) -> pb.TerminateReply:
         log.info("terminate: fanning out to %d replicas", len(self._stubs))

@@ -125,3 +125,27 @@ def stats_to_proto(stats: ReplicaStats) -> pb.ReplicaStats:
 
 def stats_from_proto(msg: pb.ReplicaStats) -> ReplicaStats:
     return ReplicaStats(**{name: getattr(msg, name) for name in _STATS_FIELDS})
+
+
+def chat_request_to_proto(
+    messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True, request_id: str = ""
+) -> pb.ChatTemplateRequest:
+    """``messages`` as (role, content) pairs."""
+    return pb.ChatTemplateRequest(
+        messages=[pb.ChatMessage(role=role, content=content) for role, content in messages],
+        add_generation_prompt=add_generation_prompt,
+        request_id=request_id,
+    )
+
+
+def chat_messages_from_proto(msg: pb.ChatTemplateRequest) -> list[dict[str, str]]:
+    """The messages as the dicts a Hugging Face chat template expects."""
+    return [{"role": m.role, "content": m.content} for m in msg.messages]
+
+
+def chat_reply_to_proto(prompt: str) -> pb.ChatTemplateReply:
+    return pb.ChatTemplateReply(prompt=prompt)
+
+
+def chat_prompt_from_proto(msg: pb.ChatTemplateReply) -> str:
+    return msg.prompt

@@ -54,6 +54,11 @@ class GenerationStub:
                 request_serializer=mii__server_dot_wire_dot_generation__pb2.StatsRequest.SerializeToString,
                 response_deserializer=mii__server_dot_wire_dot_generation__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.ApplyChatTemplate = channel.unary_unary(
+                '/mii_server.wire.Generation/ApplyChatTemplate',
+                request_serializer=mii__server_dot_wire_dot_generation__pb2.ChatTemplateRequest.SerializeToString,
+                response_deserializer=mii__server_dot_wire_dot_generation__pb2.ChatTemplateReply.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -87,6 +92,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ApplyChatTemplate(self, request, context):
+        """Renders chat messages into a prompt with the model's own chat template (the replica holds the
+        tokenizer, so the OpenAI server needs neither it nor torch). INVALID_ARGUMENT when the model has none.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +122,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=mii__server_dot_wire_dot_generation__pb2.StatsRequest.FromString,
                     response_serializer=mii__server_dot_wire_dot_generation__pb2.StatsReply.SerializeToString,
+            ),
+            'ApplyChatTemplate': grpc.unary_unary_rpc_method_handler(
+                    servicer.ApplyChatTemplate,
+                    request_deserializer=mii__server_dot_wire_dot_generation__pb2.ChatTemplateRequest.FromString,
+                    response_serializer=mii__server_dot_wire_dot_generation__pb2.ChatTemplateReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +237,33 @@ class Generation:
             '/mii_server.wire.Generation/Stats',
             mii__server_dot_wire_dot_generation__pb2.StatsRequest.SerializeToString,
             mii__server_dot_wire_dot_generation__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ApplyChatTemplate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mii_server.wire.Generation/ApplyChatTemplate',
+            mii__server_dot_wire_dot_generation__pb2.ChatTemplateRequest.SerializeToString,
+            mii__server_dot_wire_dot_generation__pb2.ChatTemplateReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -43,5 +43,11 @@ def test_stubs_match_the_proto(tmp_path: Path) -> None:
 
 def test_service_has_the_rpcs_the_servers_implement() -> None:
     service = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
-    assert [m.name for m in service.methods] == ["Generate", "GenerateStream", "Terminate", "Stats"]
+    assert [m.name for m in service.methods] == [
+        "Generate",
+        "GenerateStream",
+        "Terminate",
+        "Stats",
+        "ApplyChatTemplate",
+    ]
     assert hasattr(generation_pb2_grpc, "GenerationStub")
