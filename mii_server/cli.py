@@ -1,6 +1,6 @@
 """``mii-server``: serve a model in the foreground, generate from, inspect and stop deployments.
 
-mii-server serve [MODEL] [--replica-num N] [--port P] [--rest] ...   # Ctrl-C tears down
+mii-server serve [MODEL] [--replica-num N] [--port P] [--rest] [--openai-port 8000] ...   # Ctrl-C tears down
 mii-server generate "DeepSpeed is" --max-new-tokens 32 [--stream]
 mii-server status [NAME]
 mii-server stop NAME
@@ -31,6 +31,8 @@ def _serve(args: argparse.Namespace) -> int:
         "enable_restful_api": args.rest,
         "restful_api_port": args.rest_port,
         "restful_api_host": args.rest_host,
+        "enable_openai_api": args.openai_port is not None,
+        "openai_api_host": args.openai_host,
         "dtype": args.dtype,
         "device": args.device,
     }
@@ -42,20 +44,26 @@ def _serve(args: argparse.Namespace) -> int:
         kwargs["device_map"] = json.loads(args.device_map)
     if args.registry:
         kwargs["registry_dir"] = args.registry
+    if args.openai_port is not None:
+        kwargs["openai_api_port"] = args.openai_port
+    if args.served_model_name:
+        kwargs["served_model_name"] = args.served_model_name
+    if args.api_key_file:
+        kwargs["api_key_file"] = args.api_key_file
+    if args.metrics_port is not None:
+        kwargs["metrics_port"] = args.metrics_port
+    if args.no_metrics:
+        kwargs["enable_metrics"] = False
     config = DeploymentConfig.from_kwargs(args.model, **kwargs)
     config = config.model_copy(update={"registry_dir": str(registry.registry_dir(config.registry_dir))})
     claim_name(config.deployment_name, config.registry_dir)
-    ports.ensure_free(
-        config.ports_in_use_by_deployment(),
-        config.host,
-        rest_host=config.restful_api_host,
-        rest_port=config.restful_api_port if config.enable_restful_api else None,
-    )
+    ports.ensure_deployment_ports_free(config.listen_addresses())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     print(
         f"serving {config.model.model_name_or_path or 'the built-in demo model'} as {config.deployment_name}: "
         f"gRPC {config.lb_address}"
         + (f", REST {config.rest_url}" if config.rest_url else "")
+        + (f", OpenAI API {config.openai_url}" if config.openai_url else "")
         + "; Ctrl-C stops",
         file=sys.stderr,
     )
@@ -164,6 +172,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rest", action="store_true", help="also start the REST gateway")
     p.add_argument("--rest-port", type=int, default=28080, help="REST gateway port (default 28080)")
     p.add_argument("--rest-host", default="127.0.0.1", help="REST gateway bind address (default 127.0.0.1)")
+    p.add_argument(
+        "--openai-port",
+        type=int,
+        default=None,
+        help="also start the OpenAI-compatible server on this port (/v1/completions, /v1/chat/completions)",
+    )
+    p.add_argument(
+        "--openai-host", default="127.0.0.1", help="OpenAI server bind address (default 127.0.0.1)"
+    )
+    p.add_argument("--served-model-name", default="", help="model id of the OpenAI API (default: MODEL)")
+    p.add_argument(
+        "--api-key-file",
+        default="",
+        help="file of API keys (one per line) the HTTP servers require; or set $MII_SERVER_API_KEY "
+        "(never pass a key on the command line)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="replica i serves /metrics on this port + i (default: right after the replicas' gRPC ports)",
+    )
+    p.add_argument("--no-metrics", action="store_true", help="no /metrics HTTP port on the replicas")
     p.add_argument(
         "--max-length", type=int, default=None, help="default prompt+output token limit per request"
     )

@@ -34,12 +34,7 @@ def serve(model_name_or_path: str = "", **kwargs: Any) -> Client:
     except ValueError as err:
         raise InvalidRequest(str(err)) from None
     claim_name(name, directory)
-    ports.ensure_free(
-        config.ports_in_use_by_deployment(),
-        config.host,
-        rest_host=config.restful_api_host,
-        rest_port=config.restful_api_port if config.enable_restful_api else None,
-    )
+    ports.ensure_deployment_ports_free(config.listen_addresses())
     log_path = registry.log_dir(name, directory) / "supervisor.log"
     proc = launcher.spawn("supervisor", LaunchSpec(deployment=config), log_path, detach=True)
     deadline = time.monotonic() + config.startup_timeout_s + 60.0

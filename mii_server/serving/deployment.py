@@ -49,6 +49,44 @@ class DeploymentConfig(BaseModel):
     restful_api_threads: int = Field(
         default=32, ge=1, le=1024, description="Worker threads of the REST gateway's WSGI server (waitress)."
     )
+    enable_openai_api: bool = Field(default=False, description="Start the OpenAI-compatible HTTP server.")
+    openai_api_host: str = Field(
+        default="127.0.0.1", description="Address the OpenAI-compatible server binds."
+    )
+    openai_api_port: int = Field(
+        default=8000, ge=1, le=65535, description="OpenAI-compatible server's HTTP port."
+    )
+    openai_api_threads: int = Field(
+        default=32, ge=1, le=1024, description="Worker threads of the OpenAI-compatible server (waitress)."
+    )
+    served_model_name: str = Field(
+        default="",
+        description="Model id the OpenAI API lists and accepts; empty means model_name_or_path "
+        "('mii-server-demo' for the demo model).",
+    )
+    api_key_file: str = Field(
+        default="",
+        description="File of API keys (one per line) the HTTP servers require as 'Authorization: Bearer KEY'; "
+        "keys in $MII_SERVER_API_KEY (comma-separated) count too. No key anywhere: no authentication. "
+        "Never put a key itself in the config: it travels on command lines.",
+    )
+    enable_metrics: bool = Field(
+        default=True, description="Serve Prometheus /metrics and /health over HTTP from every replica."
+    )
+    metrics_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="Replica i serves /metrics and /health on metrics_port + i; None means the ports right "
+        "after the replicas' gRPC ports (port_number + 1 + replica_num * tensor_parallel + i). The REST "
+        "gateway and the OpenAI server serve /metrics on their own ports.",
+    )
+    max_queued_requests: int | None = Field(
+        default=1024,
+        ge=0,
+        description="A replica refuses new requests (gRPC RESOURCE_EXHAUSTED, HTTP 503 with Retry-After) while "
+        "this many of its prompts wait for admission; None means unbounded.",
+    )
     device_map: DeviceMap = Field(
         default="auto",
         description="GPUs per replica: 'auto' (contiguous groups of tensor_parallel), an int, a list of ints "
@@ -102,9 +140,14 @@ class DeploymentConfig(BaseModel):
 
     @model_validator(mode="after")
     def _ports_and_devices_agree(self) -> DeploymentConfig:
-        top = self.replica_ports[-1] if self.replica_ports else self.port_number
+        top = max([self.port_number, *self.replica_ports, *self.replica_metrics_ports])
         if top > 65535:
             raise ValueError(f"replica ports run past 65535 (port_number={self.port_number})")
+        ports = [p for p, _ in self._all_ports()]
+        if len(ports) != len(set(ports)):
+            raise ValueError(
+                f"two processes of the deployment would share a port: {sorted(self._all_ports())}"
+            )
         if len(self.gpu_groups) not in (0, self.replica_num):
             raise ValueError(
                 f"device_map gives {len(self.gpu_groups)} GPU groups for {self.replica_num} replicas"
@@ -115,6 +158,16 @@ class DeploymentConfig(BaseModel):
                 f"device_map groups {bad} do not have tensor_parallel={self.model.tensor_parallel} GPUs"
             )
         return self
+
+    def _all_ports(self) -> list[tuple[int, str]]:
+        ports = [(self.port_number, "load balancer")]
+        ports += [(p, f"replica {i}") for i, p in enumerate(self.replica_ports)]
+        ports += [(p, f"replica {i} metrics") for i, p in enumerate(self.replica_metrics_ports)]
+        if self.enable_restful_api:
+            ports.append((self.restful_api_port, "REST gateway"))
+        if self.enable_openai_api:
+            ports.append((self.openai_api_port, "OpenAI-compatible server"))
+        return ports
 
     # ---- derived values -------------------------------------------------------------------
     @property
@@ -137,6 +190,27 @@ class DeploymentConfig(BaseModel):
         return f"http://{self.restful_api_host}:{self.restful_api_port}/mii/{self.deployment_name}"
 
     @property
+    def openai_url(self) -> str | None:
+        if not self.enable_openai_api:
+            return None
+        return f"http://{self.openai_api_host}:{self.openai_api_port}/v1"
+
+    @property
+    def served_model(self) -> str:
+        """The model id of the OpenAI API."""
+        return self.served_model_name or self.model.model_name_or_path or "mii-server-demo"
+
+    @property
+    def replica_metrics_ports(self) -> list[int]:
+        """HTTP port of each replica's /metrics and /health (empty when metrics are off)."""
+        if not self.enable_metrics:
+            return []
+        base = self.metrics_port
+        if base is None:
+            base = self.port_number + 1 + self.replica_num * self.model.tensor_parallel
+        return [base + i for i in range(self.replica_num)]
+
+    @property
     def gpu_groups(self) -> list[list[int]]:
         """Explicit GPU indices per replica; empty for 'auto' (the supervisor decides at launch)."""
         dm = self.device_map
@@ -152,12 +226,12 @@ class DeploymentConfig(BaseModel):
 
     def ports_in_use_by_deployment(self) -> dict[int, str]:
         """Every TCP port this deployment listens on, with what listens there."""
-        ports = {self.port_number: "load balancer"}
-        for i, p in enumerate(self.replica_ports):
-            ports[p] = f"replica {i}"
-        if self.enable_restful_api:
-            ports[self.restful_api_port] = "REST gateway"
-        return ports
+        return {port: what for port, (_, what) in self.listen_addresses().items()}
+
+    def listen_addresses(self) -> dict[int, tuple[str, str]]:
+        """Every TCP port this deployment listens on: (bind host, what listens there)."""
+        hosts = {"REST gateway": self.restful_api_host, "OpenAI-compatible server": self.openai_api_host}
+        return {port: (hosts.get(what, self.host), what) for port, what in self._all_ports()}
 
     # ---- construction from kwargs -------------------------------------------------------------
     @classmethod

@@ -20,8 +20,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .deployment import DeploymentConfig
 
-Role = Literal["supervisor", "replica", "replica-rank", "load-balancer", "rest-gateway"]
-ROLES: tuple[Role, ...] = ("supervisor", "replica", "replica-rank", "load-balancer", "rest-gateway")
+Role = Literal["supervisor", "replica", "replica-rank", "load-balancer", "rest-gateway", "openai-server"]
+ROLES: tuple[Role, ...] = (
+    "supervisor",
+    "replica",
+    "replica-rank",
+    "load-balancer",
+    "rest-gateway",
+    "openai-server",
+)
 PARENT_PID_ENV = "MII_SERVER_PARENT_PID"
 
 

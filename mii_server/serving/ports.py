@@ -35,3 +35,17 @@ def ensure_free(
             f"port(s) already in use: {', '.join(taken)}; stop what holds them or choose other ports "
             "(port_number=..., restful_api_port=...)"
         )
+
+
+def ensure_deployment_ports_free(addresses: dict[int, tuple[str, str]]) -> None:
+    """Raise ``DeploymentStartError`` naming every taken port of ``{port: (bind host, what)}``."""
+    taken = [
+        f"{host}:{port} ({what})"
+        for port, (host, what) in sorted(addresses.items())
+        if not port_is_free(host, port)
+    ]
+    if taken:
+        raise DeploymentStartError(
+            f"port(s) already in use: {', '.join(taken)}; stop what holds them or choose other ports "
+            "(port_number=..., restful_api_port=..., openai_api_port=..., metrics_port=...)"
+        )

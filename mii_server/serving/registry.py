@@ -34,6 +34,7 @@ class DeploymentRecord:
     model: str  # model_name_or_path ("" = built-in demo model)
     created_at: float = field(default_factory=time.time)  # seconds since the epoch
     error: str = ""  # why start-up failed (state "failed")
+    openai_url: str | None = None  # base URL of the OpenAI-compatible API (".../v1"), None when disabled
 
     def is_alive(self) -> bool:
         return pid_alive(self.supervisor_pid)

@@ -11,9 +11,14 @@ import os
 import signal
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 from . import grpc_common
 from .launcher import PARENT_PID_ENV, LaunchSpec
+
+if TYPE_CHECKING:
+    from .deployment import DeploymentConfig
+    from .replica import ReplicaServicer
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +55,9 @@ def run_replica(spec: LaunchSpec) -> int:
     cfg = spec.deployment
     index = spec.replica_index or 0
     address = cfg.replica_addresses[index]
-    servicer = ReplicaServicer(index, address)
+    servicer = ReplicaServicer(index, address, max_queued_requests=cfg.max_queued_requests)
     _stop_on_signals(servicer.stop_requested)
+    start_replica_metrics(cfg, index, servicer)  # /metrics and /health over HTTP (issue 6)
     server, health = grpc_common.start_server(servicer, cfg.host, cfg.replica_ports[index], max_workers=256)
     log.info("replica %d listening on %s; loading %r", index, address, cfg.model.model_name_or_path or "demo")
     engine = ReplicaEngine(spec)
@@ -111,6 +117,25 @@ def run_rest_gateway(spec: LaunchSpec) -> int:
     return serve_rest_gateway(spec.deployment)
 
 
+def run_openai_server(spec: LaunchSpec) -> int:
+    from .openai_server import serve_openai_server
+
+    _check_parent()
+    return serve_openai_server(spec.deployment)
+
+
+def start_replica_metrics(cfg: DeploymentConfig, index: int, servicer: ReplicaServicer) -> None:
+    """Serve the replica's Prometheus ``/metrics`` and ``/health`` on its metrics port, if enabled."""
+    if not cfg.enable_metrics:
+        return
+    from .metrics import EngineStatsCollector, start_metrics_server
+
+    servicer.metrics.registry.register(EngineStatsCollector(servicer.engine_stats))
+    port = cfg.replica_metrics_ports[index]
+    start_metrics_server(cfg.host, port, servicer.metrics.registry, servicer.health)
+    log.info("replica %d metrics on http://%s:%d/metrics", index, cfg.host, port)
+
+
 def run_supervisor(spec: LaunchSpec) -> int:
     from .supervisor import Supervisor
 
@@ -123,4 +148,5 @@ RUNNERS = {
     "replica-rank": run_replica_rank,
     "load-balancer": run_load_balancer,
     "rest-gateway": run_rest_gateway,
+    "openai-server": run_openai_server,
 }

@@ -70,6 +70,10 @@ class Supervisor:
         children.append(Child("load-balancer", None, self.log_dir / "load-balancer.log", dict(os.environ)))
         if cfg.enable_restful_api:
             children.append(Child("rest-gateway", None, self.log_dir / "rest-gateway.log", dict(os.environ)))
+        if cfg.enable_openai_api:
+            children.append(
+                Child("openai-server", None, self.log_dir / "openai-server.log", dict(os.environ))
+            )
         return children
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -149,7 +153,11 @@ class Supervisor:
             return grpc_common.is_serving(channel, timeout=1.0, service=grpc_common.ALL_REPLICAS_SERVICE)
         if channel is not None:
             return grpc_common.is_serving(channel, timeout=1.0)
-        url = f"http://{self.config.restful_api_host}:{self.config.restful_api_port}/healthz"
+        cfg = self.config
+        if child.role == "openai-server":
+            url = f"http://{cfg.openai_api_host}:{cfg.openai_api_port}/healthz"
+        else:
+            url = f"http://{cfg.restful_api_host}:{cfg.restful_api_port}/healthz"
         try:
             with urllib.request.urlopen(url, timeout=1.0) as reply:
                 return reply.status == 200
@@ -213,6 +221,7 @@ class Supervisor:
                 address=cfg.lb_address,
                 replica_addresses=cfg.replica_addresses,
                 rest_url=cfg.rest_url,
+                openai_url=cfg.openai_url,
                 log_dir=str(self.log_dir),
                 model=cfg.model.model_name_or_path,
                 error=error,

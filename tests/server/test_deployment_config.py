@@ -20,8 +20,21 @@ def test_mii_defaults_and_derived_ports() -> None:
         50051: "replica 0",
         50052: "replica 1",
         50053: "replica 2",
+        50054: "replica 0 metrics",
+        50055: "replica 1 metrics",
+        50056: "replica 2 metrics",
         28080: "REST gateway",
     }
+
+
+def test_openai_and_metrics_ports() -> None:
+    cfg = DeploymentConfig.from_kwargs("", replica_num=2, enable_openai_api=True, metrics_port=9100)
+    assert cfg.openai_url == "http://127.0.0.1:8000/v1"
+    assert cfg.replica_metrics_ports == [9100, 9101]
+    assert cfg.served_model == "mii-server-demo"
+    assert DeploymentConfig.from_kwargs("", enable_metrics=False).replica_metrics_ports == []
+    with pytest.raises(InvalidRequest, match="share a port"):
+        DeploymentConfig.from_kwargs("", enable_openai_api=True, openai_api_port=50051)
 
 
 def test_kwargs_are_split_between_model_and_deployment() -> None:
