@@ -144,7 +144,7 @@ def create_app(
     def _end(response: Response) -> Response:
         response.headers[REQUEST_ID_HEADER] = g.request_id
         if not response.is_streamed and not g.observed:
-            _observe(request.path, response.status_code, _reason_of(response))
+            _observe(_route(), response.status_code, _reason_of(response))
         return response
 
     def _observe(route: str, status: int, reason: str = "") -> None:
@@ -215,14 +215,14 @@ def create_app(
             first = next(events, None)  # why wait: an error before any output still gets its own status
         except ClientGone:
             upstream.cancel()
-            _observe(request.path, 499, "client_disconnected")
+            _observe(_route(), 499, "client_disconnected")
             return _json({}, 499)
         except Exception as exc:  # noqa: BLE001 - upstream errors keep their type (status map)
             upstream.cancel()
             return _error_response(api_error_of(exc))
         if plan.stream:
             return Response(
-                _sse(plan, builder, first, events, upstream, request.path, g.request_id, g.started),
+                _sse(plan, builder, first, events, upstream, _route(), g.request_id, g.started),
                 mimetype="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -233,7 +233,7 @@ def create_app(
                 builder.add(choice, chunk)
         except ClientGone:
             upstream.cancel()
-            _observe(request.path, 499, "client_disconnected")
+            _observe(_route(), 499, "client_disconnected")
             return _json({}, 499)
         except Exception as exc:  # noqa: BLE001
             upstream.cancel()
@@ -310,6 +310,11 @@ def create_app(
         )
 
     return app
+
+
+def _route() -> str:
+    """The matched URL rule (bounded label values for metrics), not the raw path."""
+    return request.url_rule.rule if request.url_rule is not None else "unmatched"
 
 
 def _reason_of(response: Response) -> str:

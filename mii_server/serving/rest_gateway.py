@@ -4,7 +4,9 @@ Body ``{"prompts": str | [str, ...], "stream": bool, <generate kwargs>}``. Repli
 responses (``Response.to_msg_dict()``), or with ``"stream": true`` server-sent events: one
 ``data: <chunk JSON with prompt_index>`` per chunk, then ``data: [DONE]``. Errors are JSON
 ``{"error": {"type", "message"}}`` with the status from ``status.http_status_of`` (400 for bad
-JSON, unknown kwargs and wrong types). ``GET /healthz`` answers 200 while the process runs.
+JSON, unknown kwargs and wrong types). ``GET /healthz`` answers 200 while the process runs; ``GET /health``
+200 while a replica can serve (503 otherwise); ``GET /metrics`` is Prometheus (``metrics``). API keys and
+``X-Request-Id`` work as in the OpenAI server (``http_common``).
 """
 
 from __future__ import annotations
@@ -12,14 +14,17 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import time
 from collections.abc import Iterator
 from typing import Any
 
-from flask import Flask, Response, request, stream_with_context
+from flask import Flask, Response, g, request, stream_with_context
 
 from ..errors import DeploymentNotFound, InvalidRequest, MIIServerError
 from .client import Client
 from .deployment import DeploymentConfig
+from .http_common import REQUEST_ID_HEADER, ApiKeys, deployment_health, request_id_from
+from .metrics import EngineStatsCollector, HttpMetrics, exposition
 from .status import error_name_of, http_status_of
 
 log = logging.getLogger(__name__)
@@ -60,13 +65,64 @@ def parse_body(raw: bytes) -> tuple[list[str], bool, dict[str, Any]]:
     return prompts, stream, kwargs
 
 
-def create_app(deployment_name: str, client: Client) -> Flask:
-    """The Flask app; ``client`` talks to the load balancer and is shared by all requests."""
+def create_app(
+    deployment_name: str, client: Client, keys: ApiKeys | None = None, metrics: HttpMetrics | None = None
+) -> Flask:
+    """The Flask app; ``client`` talks to the load balancer and is shared by all requests.
+
+    With ``keys``, every route but ``/healthz`` and ``/health`` needs ``Authorization: Bearer KEY``.
+    """
     app = Flask("mii_server.rest_gateway")
+    keys = keys or ApiKeys([])
+    metrics = metrics or HttpMetrics()
+    metrics.registry.register(EngineStatsCollector(lambda: client.stats(timeout=2.0)))
+
+    @app.before_request
+    def _begin() -> tuple[Response, int] | None:
+        g.request_id = request_id_from(request.headers.get(REQUEST_ID_HEADER))
+        g.started = time.monotonic()
+        if request.path not in ("/healthz", "/health") and not keys.allows(
+            request.headers.get("Authorization")
+        ):
+            body = {
+                "error": {
+                    "type": "Unauthorized",
+                    "message": "missing or invalid API key (Authorization: Bearer)",
+                }
+            }
+            return Response(json.dumps(body), status=401, mimetype="application/json"), 401
+        return None
+
+    @app.after_request
+    def _end(response: Response) -> Response:
+        response.headers[REQUEST_ID_HEADER] = g.request_id
+        seconds = time.monotonic() - g.started
+        route = request.url_rule.rule if request.url_rule is not None else "unmatched"
+        failed = "" if response.status_code < 400 else str(response.status_code)
+        metrics.finished(route, response.status_code, seconds, failed)
+        log.info(
+            "request_id=%s method=%s path=%s status=%d duration_s=%.3f",
+            g.request_id,
+            request.method,
+            request.path,
+            response.status_code,
+            seconds,
+        )
+        return response
 
     @app.get("/healthz")
-    def healthz() -> Response:
+    def healthz() -> Response:  # this process is up (the supervisor's readiness probe)
         return Response(json.dumps({"status": "ok"}), mimetype="application/json")
+
+    @app.get("/health")
+    def health() -> Response:  # the deployment can serve: a replica is loaded and routed to
+        ok, detail = deployment_health(client)
+        return Response(json.dumps(detail), status=200 if ok else 503, mimetype="application/json")
+
+    @app.get("/metrics")
+    def prometheus() -> Response:
+        body, content_type = exposition(metrics.registry)
+        return Response(body, content_type=content_type)
 
     @app.post("/mii/<name>")
     def generate(name: str) -> Any:
@@ -77,13 +133,14 @@ def create_app(deployment_name: str, client: Client) -> Flask:
                 )
             prompts, stream, kwargs = parse_body(request.get_data())
             if stream:
-                chunks = client.generate_stream(prompts, **kwargs)  # validates kwargs before returning
+                # validates kwargs before returning
+                chunks = client.generate_stream(prompts, request_id=g.request_id, **kwargs)
                 return Response(
                     stream_with_context(_sse(chunks)),
                     mimetype="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 )
-            responses = client.generate(prompts, **kwargs)
+            responses = client.generate(prompts, request_id=g.request_id, **kwargs)
         except MIIServerError as exc:
             return _error(exc)
         return Response(json.dumps([r.to_msg_dict() for r in responses]), mimetype="application/json")
@@ -119,7 +176,7 @@ def serve_rest_gateway(cfg: DeploymentConfig) -> int:
     import waitress  # why here: only this role needs it
 
     client = Client(cfg.lb_address, deployment_name=cfg.deployment_name)
-    app = create_app(cfg.deployment_name, client)
+    app = create_app(cfg.deployment_name, client, ApiKeys.load(cfg.api_key_file))
     server = waitress.create_server(
         app,
         host=cfg.restful_api_host,

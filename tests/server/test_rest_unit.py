@@ -17,14 +17,14 @@ class StandInClient:
     def __init__(self) -> None:
         self.calls: list[tuple[list[str], dict]] = []
 
-    def generate(self, prompts, **kwargs):
+    def generate(self, prompts, request_id="", **kwargs):
         GenerateParams.from_kwargs(**kwargs)  # the real client validates like this
         self.calls.append((prompts, kwargs))
         if prompts == ["overload"]:
             raise CapacityExceeded("busy")
         return [Response(p.upper(), 1, 1, FinishReason.STOP, [1]) for p in prompts]
 
-    def generate_stream(self, prompts, **kwargs):
+    def generate_stream(self, prompts, request_id="", **kwargs):
         GenerateParams.from_kwargs(**kwargs)
         return iter(
             [StreamChunk(c, 1, n + 1, FinishReason.NONE, [n], prompt_index=0) for n, c in enumerate("ab")]
@@ -89,3 +89,19 @@ def test_streaming_is_server_sent_events(http) -> None:
     assert events[-1] == "data: [DONE]"
     chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
     assert [c["generated_text"] for c in chunks] == ["a", "b"] and chunks[0]["prompt_index"] == 0
+
+
+def test_request_id_health_metrics_and_keys() -> None:
+    from mii_server.serving.http_common import ApiKeys
+
+    stand_in = StandInClient()
+    client = create_app("dep", stand_in).test_client()
+    reply = client.post("/mii/dep", data=json.dumps({"prompts": "a"}), headers={"X-Request-Id": "rid-1"})
+    assert reply.headers["X-Request-Id"] == "rid-1"
+    assert client.get("/health").status_code == 503  # the stand-in has no load balancer behind it
+    assert b'mii_server:http_requests_total{route="/mii/<name>",status="200"} 1.0' in client.get("/metrics").data
+    locked = create_app("dep", stand_in, ApiKeys(["k"])).test_client()
+    assert locked.post("/mii/dep", data=json.dumps({"prompts": "a"})).status_code == 401
+    ok = locked.post("/mii/dep", data=json.dumps({"prompts": "a"}), headers={"Authorization": "Bearer k"})
+    assert ok.status_code == 200
+    assert locked.get("/healthz").status_code == 200
