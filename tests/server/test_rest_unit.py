@@ -99,7 +99,9 @@ def test_request_id_health_metrics_and_keys() -> None:
     reply = client.post("/mii/dep", data=json.dumps({"prompts": "a"}), headers={"X-Request-Id": "rid-1"})
     assert reply.headers["X-Request-Id"] == "rid-1"
     assert client.get("/health").status_code == 503  # the stand-in has no load balancer behind it
-    assert b'mii_server:http_requests_total{route="/mii/<name>",status="200"} 1.0' in client.get("/metrics").data
+    assert (
+        b'mii_server:http_requests_total{route="/mii/<name>",status="200"} 1.0' in client.get("/metrics").data
+    )
     locked = create_app("dep", stand_in, ApiKeys(["k"])).test_client()
     assert locked.post("/mii/dep", data=json.dumps({"prompts": "a"})).status_code == 401
     ok = locked.post("/mii/dep", data=json.dumps({"prompts": "a"}), headers={"Authorization": "Bearer k"})
