@@ -19,7 +19,8 @@ def serve(model_name_or_path: str = "", **kwargs: Any) -> Client:
 
     Kwargs are MII's: ``ModelConfig`` fields (``tensor_parallel``, ``max_length``, ``dtype``, ...) and
     ``DeploymentConfig`` fields (``deployment_name``, ``replica_num``, ``port_number``,
-    ``enable_restful_api``, ``restful_api_port``, ``device_map``, ...). Unknown names raise
+    ``enable_restful_api``, ``restful_api_port``, ``enable_openai_api``, ``openai_api_port``, ``device_map``,
+    ``metrics_port``, ...). Unknown names raise
     ``UnknownArgument`` and a port in use raises ``DeploymentStartError``, before anything starts.
     The deployment outlives this script; stop it with ``client.terminate_server()`` or
     ``mii-server stop NAME``. A process that dies while starting raises ``DeploymentStartError``
