@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
-# Keep every test's demo-model cache and deployment registry inside the test session.
 os.environ.setdefault("MII_SERVER_PROGRESS", "0")
+# One compute thread per process: the tiny models gain nothing from more, and server tests run
+# several processes on CI's two cores (inherited by every process the tests start).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 TINY_VARIANTS = {
     "llama": ("llama", {}),

@@ -98,7 +98,7 @@ class Request:
         if finish is FinishReason.NONE and len(self.output_ids) >= self.max_new_tokens:
             finish = FinishReason.LENGTH
         if finish is not FinishReason.NONE:
-            text += self.stop_strings.flush()
+            text += self.stop_strings.feed(self.detokenizer.flush()) + self.stop_strings.flush()
         return self._response(text, [token_id], finish)
 
     def abort_response(self) -> Response:
