@@ -347,7 +347,8 @@ def test_client_disconnect_mid_stream_frees_kv_blocks(deployment: Deployment) ->
             if len(data) == 3:
                 break
         (busy,) = deployment.client.stats()
-        assert busy.running == 1 and busy.free_blocks < idle.free_blocks
+        # why not running == 1: the engine's running count is read without a lock and can flicker to 0 mid-step
+        assert busy.free_blocks < idle.free_blocks  # the stream holds KV blocks
     finally:
         reply.close()  # closes the connection mid-stream
     wait_for(deployment.idle, 60, "KV blocks to return after the client disconnected")
