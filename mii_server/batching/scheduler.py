@@ -8,6 +8,7 @@ not yet in this step (or itself), so the oldest request always progresses and no
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -114,8 +115,9 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            self.running.sort(key=lambda r: r.uid)
+            # insort, not append + sort: list.sort empties the list while it runs, and stats are
+            # read from other threads
+            bisect.insort(self.running, req, key=lambda r: r.uid)
             n = min(req.num_pending_tokens, tokens_left)
             free -= self._blocks_needed(req, n)
             take(req, n)
