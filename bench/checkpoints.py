@@ -13,17 +13,17 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-LLAMA3_8B = dict(
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    max_position_embeddings=8192,
-    rope_theta=500000.0,
-    rms_norm_eps=1e-5,
-)
+LLAMA3_8B = {
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5,
+}
 
 
 def write_random_llama(out_dir: Path, shape: dict, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Path:

@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from checkpoints import LLAMA3_8B, write_random_llama  # noqa: E402
+from checkpoints import LLAMA3_8B, write_random_llama
 
-import mii_server  # noqa: E402
+import mii_server
 
 HBM_BYTES_PER_S = 4.24e12  # measured H200 copy bandwidth (KINDS.md)
 
@@ -81,7 +81,7 @@ def main() -> None:
     agree_prompts = make_prompts(tok, args.agree_prompts, 64, seed=1)
     long_prompt = make_prompts(tok, 1, args.prompt_len, seed=2)[0]
     batch_prompts = make_prompts(tok, args.requests, args.prompt_len, seed=3)
-    layouts = {"tp1": dict(tensor_parallel=1), "tp2": dict(tensor_parallel=2), "2x-tp1": dict(replica_num=2)}
+    layouts = {"tp1": {"tensor_parallel": 1}, "tp2": {"tensor_parallel": 2}, "2x-tp1": {"replica_num": 2}}
     results = {}
     for index, name in enumerate(args.layouts.split(",")):
         t0 = time.perf_counter()

@@ -74,19 +74,19 @@ def build_tiny_checkpoint(out_dir: Path, model_type: str = "llama", seed: int = 
 
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(out_dir)
-    settings: dict[str, Any] = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-    )
+    settings: dict[str, Any] = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "tie_word_embeddings": False,
+    }
     settings.update(overrides)
     config = AutoConfig.for_model(model_type, **settings)
     torch.manual_seed(seed)

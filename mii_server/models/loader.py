@@ -34,9 +34,9 @@ def resolve_model_path(name_or_path: str) -> Path:
         patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
         try:
             return Path(snapshot_download(name_or_path, allow_patterns=patterns, local_files_only=True))
-        except Exception:
+        except Exception:  # noqa: BLE001 - not cached (or no hub cache at all): try the network
             return Path(snapshot_download(name_or_path, allow_patterns=patterns))
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - every hub failure becomes one clear error below
         raise InvalidRequest(
             f"{name_or_path!r} is neither a local directory nor a model the Hugging Face hub cache "
             f"holds or could fetch ({type(err).__name__}: {err})"
@@ -60,7 +60,7 @@ def iterate_weights(files: list[Path], show_progress: bool) -> Iterator[tuple[st
     bar = tqdm(total=len(files), desc="Loading safetensors checkpoint shards", disable=not show_progress)
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - a safetensors handle is not a dict
                 yield name, f.get_slice(name)
         bar.update(1)
     bar.close()

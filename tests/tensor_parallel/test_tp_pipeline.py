@@ -36,7 +36,7 @@ def test_tp_equals_tp1(variant: str, ranks: int, tiny_checkpoints: dict[str, Pat
         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
         str(Path(__file__).with_name("tp_script.py")), str(path), str(out), json.dumps(PROMPTS),
     ]  # fmt: skip
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     sharded = json.loads(out.read_text())
 
