@@ -80,6 +80,20 @@ class ModelConfig(BaseModel):
     )
     kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig, description="KV cache sizing.")
     seed: int = Field(default=0, ge=0, description="Seed for requests that bring none of their own.")
+    cuda_graphs: bool = Field(
+        default=True,
+        description="On CUDA (one rank, Triton kernels): capture decode-only forwards as CUDA graphs at "
+        "start-up for a ladder of batch sizes and replay them for steps without prompt tokens. Costs a "
+        "few seconds of start-up and the graphs' memory pool (measured and kept out of the KV cache); "
+        "False runs every step eagerly.",
+    )
+    cuda_graph_max_batch: int = Field(
+        default=512,
+        ge=1,
+        le=1024,
+        description="Largest decode batch (sequences) captured as a CUDA graph; larger decode steps run "
+        "eagerly. Capped by max_ragged_sequence_count.",
+    )
 
     @model_validator(mode="after")
     def _limits_agree(self) -> ModelConfig:

@@ -35,8 +35,11 @@ def model_path(config: ModelConfig) -> Path:
     return resolve_model_path(config.model_name_or_path)
 
 
-def num_kv_blocks(cfg: KVCacheConfig, loaded: LoadedModel, kv_heads_per_rank: int) -> int:
-    """KV blocks for this rank: given, from a byte budget, or from free memory."""
+def num_kv_blocks(
+    cfg: KVCacheConfig, loaded: LoadedModel, kv_heads_per_rank: int, working_bytes: int = 0
+) -> int:
+    """KV blocks for this rank: given, from a byte budget, or from free memory less the reserve and
+    ``working_bytes`` (measured activations and CUDA-graph pools)."""
     spec = loaded.spec
     per_block = BlockedKVCache.bytes_per_block(
         spec.num_layers, cfg.block_size, kv_heads_per_rank, spec.head_dim, loaded.dtype
@@ -47,7 +50,7 @@ def num_kv_blocks(cfg: KVCacheConfig, loaded: LoadedModel, kv_heads_per_rank: in
         budget = cfg.memory_bytes
     elif loaded.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(loaded.device)
-        budget = free - cfg.reserve_bytes
+        budget = free - cfg.reserve_bytes - working_bytes
     else:
         budget = cfg.cpu_default_bytes
     blocks = budget // per_block
@@ -57,6 +60,39 @@ def num_kv_blocks(cfg: KVCacheConfig, loaded: LoadedModel, kv_heads_per_rank: in
             "kv_cache.reserve_bytes or block_size, or give memory_bytes"
         )
     return blocks
+
+
+def working_memory_bytes(config: ModelConfig, loaded: LoadedModel, kv_heads: int, graphs: bool) -> int:
+    """Device memory the forwards need beside the weights and the KV cache, measured before the cache
+    is sized: the largest eager step's activations and, with graphs, the graphs' pool plus the
+    transient warm-up of the largest rung (the larger of the two transients is what counts)."""
+    from .engine.cuda_graphs import forward_peak_bytes, graph_batch_sizes
+
+    spec = loaded.spec
+    scratch = BlockedKVCache(spec.num_layers, 1, config.kv_cache.block_size, kv_heads, spec.head_dim,
+                             loaded.dtype, loaded.device)  # fmt: skip
+    eager = forward_peak_bytes(
+        loaded.model, scratch, config.max_ragged_batch_size, config.max_ragged_sequence_count
+    )
+    graph = pool = 0
+    if graphs:
+        sizes = graph_batch_sizes(config.max_ragged_sequence_count, config.cuda_graph_max_batch)
+        graph = forward_peak_bytes(loaded.model, scratch, sizes[-1], sizes[-1])
+        # every rung keeps its own float32 logits in the shared pool (measured on the H200: 24 rungs
+        # of a 128k vocabulary took 1998 MiB, where one forward's peak is 391 MiB)
+        pool = graph + sum(sizes) * spec.vocab_size * 4
+    del scratch
+    torch.cuda.empty_cache()
+    log.info("working memory: %d MiB eager, %d MiB graph pool", eager >> 20, pool >> 20)
+    return pool + max(graph, eager)
+
+
+def use_cuda_graphs(config: ModelConfig, device: torch.device, tp: TensorParallelGroup) -> bool:
+    """Decode CUDA graphs need CUDA, one rank (collectives stay eager) and the Triton kernels (the
+    reference attention reads lengths back to the host, which a graph cannot)."""
+    from .kernels import get_ops, reference
+
+    return config.cuda_graphs and device.type == "cuda" and tp.size == 1 and get_ops(device) is not reference
 
 
 @dataclass
@@ -84,8 +120,10 @@ def build_runtime(
     path = model_path(config)
     loaded = load_model(path, config.dtype, device, tp)
     kv_heads = loaded.model.layers[0].self_attn.num_kv_heads
-    blocks = tp.agree_min(num_kv_blocks(config.kv_cache, loaded, kv_heads))
     spec = loaded.spec
+    graphs = use_cuda_graphs(config, device, tp)
+    working = working_memory_bytes(config, loaded, kv_heads, graphs) if device.type == "cuda" else 0
+    blocks = tp.agree_min(num_kv_blocks(config.kv_cache, loaded, kv_heads, working))
     kv_cache = BlockedKVCache(
         spec.num_layers, blocks, config.kv_cache.block_size, kv_heads, spec.head_dim, loaded.dtype, device
     )
@@ -95,6 +133,17 @@ def build_runtime(
     )
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or str(path))
     log.info("KV cache: %d blocks of %d tokens", blocks, config.kv_cache.block_size)
+    if graphs:
+        # why after the KV cache: graphs bake in the cache's addresses; their pool was counted in the
+        # working memory the KV sizing above left free
+        max_context = min(spec.max_positions, blocks * config.kv_cache.block_size)
+        captured = engine.capture_cuda_graphs(max_context, config.cuda_graph_max_batch)
+        free, _ = torch.cuda.mem_get_info(device)
+        log.info(
+            "CUDA graphs took %d MiB; %d MiB of device memory left free",
+            captured.pool_bytes >> 20,
+            free >> 20,
+        )
     return Runtime(loaded=loaded, engine=engine, tokenizer=tokenizer)
 
 

@@ -167,8 +167,9 @@ class GenerationLoop:
         if not to_sample:
             return
         assert logits is not None
-        rows = torch.tensor([row for row, _ in to_sample], device=logits.device)
-        ids = sample(logits.index_select(0, rows), [req.sampling_row() for _, req in to_sample])
+        if len(to_sample) < logits.shape[0]:  # some sequences are mid-prompt: sample the others
+            logits = logits.index_select(0, torch.tensor([row for row, _ in to_sample], device=logits.device))
+        ids = sample(logits, [req.sampling_row() for _, req in to_sample])
         for token, (_, req) in zip(ids, to_sample):
             response = req.append(token)
             self.generated_tokens += 1

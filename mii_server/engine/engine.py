@@ -12,8 +12,9 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import CapacityExceeded
+from .cuda_graphs import DecodeGraphs, graph_batch_sizes
 from .kv_cache import BlockedKVCache
-from .ragged_batch import RaggedBatch
+from .ragged_batch import HostStaging, RaggedBatch
 from .state_manager import StateManager
 
 
@@ -44,6 +45,22 @@ class InferenceEngine:
         self.max_ragged_batch_size = max_ragged_batch_size
         self.max_ragged_sequence_count = max_ragged_sequence_count
         self.device = next(model.parameters()).device
+        self._staging = HostStaging(self.device)  # one reusable (pinned) upload buffer
+        self._graphs: DecodeGraphs | None = None  # decode-only CUDA graphs, once captured
+        self.use_cuda_graphs = True  # False runs every step eagerly even when graphs were captured
+
+    def capture_cuda_graphs(self, max_context_len: int, max_batch: int = 512) -> DecodeGraphs:
+        """Capture decode-only forwards for a ladder of batch sizes (CUDA only); later ``put``s of
+        decode-only batches with contexts up to ``max_context_len`` replay them."""
+        if self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        sizes = graph_batch_sizes(min(self.max_ragged_sequence_count, self.max_ragged_batch_size), max_batch)
+        self._graphs = DecodeGraphs(self.model, self.kv_cache, sizes, max_context_len, self._staging)
+        return self._graphs
+
+    @property
+    def cuda_graphs(self) -> DecodeGraphs | None:
+        return self._graphs
 
     @property
     def block_size(self) -> int:
@@ -108,8 +125,11 @@ class InferenceEngine:
         sequences = [self.state.get_or_create(uid) for uid in uids]
         for seq, new in zip(sequences, tokens):
             self.state.reserve(seq, len(new))
-        batch = RaggedBatch.build(sequences, tokens, self.block_size, self.device)
-        logits = self.model(batch.input_ids, batch.meta, self.kv_cache)
+        if self._graphs is not None and self.use_cuda_graphs and self._graphs.fits(sequences, tokens):
+            logits = self._graphs.run(sequences, tokens)
+        else:
+            batch = RaggedBatch.build(sequences, tokens, self.block_size, self.device, self._staging)
+            logits = self.model(batch.input_ids, batch.meta, self.kv_cache)
         for seq, new in zip(sequences, tokens):
             seq.seen_tokens += len(new)
         return logits

@@ -38,19 +38,50 @@ def filter_probs(probs: torch.Tensor, top_k: int | None, top_p: float) -> torch.
     return torch.zeros_like(probs).scatter_(0, order, sorted_probs * keep)
 
 
+def filter_probs_rows(
+    probs: torch.Tensor, top_k: Sequence[int | None], top_p: Sequence[float]
+) -> torch.Tensor:
+    """``filter_probs`` for many rows at once. probs: [R, V]; one top_k and top_p per row."""
+    vocab = probs.shape[-1]
+    sorted_probs, order = probs.sort(dim=-1, descending=True)  # [R, V]
+    k = torch.tensor([vocab if kk is None else kk for kk in top_k], device=probs.device)  # [R]
+    p = torch.tensor(list(top_p), dtype=probs.dtype, device=probs.device)  # [R]
+    keep = torch.arange(vocab, device=probs.device)[None, :] < k[:, None]
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    keep &= (mass_before < p[:, None]) | (p[:, None] >= 1.0)  # why: top_p 1.0 must keep every token
+    keep[:, 0] = True  # the most likely token always survives
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
+
+
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
-    """logits: float32 [S, V] -> one token id per row."""
-    logits = logits.float()
-    for i, row in enumerate(rows):
-        if row.banned_ids:
-            logits[i, list(row.banned_ids)] = float("-inf")
+    """logits: float32 [S, V] -> one token id per row.
+
+    Greedy rows take one batched argmax; sampled rows share one batched softmax and top-k / top-p
+    filter, and each draws its noise from its own generator (so seeded requests repeat whatever
+    batch they land in). The chosen ids come back to the host in one copy.
+    """
+    with torch.inference_mode():  # why: the engine's logits are inference tensors; banning writes to them
+        return _sample(logits.float(), rows)
+
+
+def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
+    banned = [(i, t) for i, row in enumerate(rows) for t in row.banned_ids]
+    if banned:
+        at_rows, at_ids = zip(*banned)
+        logits[list(at_rows), list(at_ids)] = float("-inf")
     chosen = logits.argmax(dim=-1)  # [S]: right for greedy rows, overwritten for sampled ones
-    for i, row in enumerate(rows):
-        if row.greedy:
-            continue
-        probs = torch.softmax(logits[i] / row.temperature, dim=-1)
-        probs = filter_probs(probs, row.top_k, row.top_p)
+    sampled = [i for i, row in enumerate(rows) if not row.greedy]
+    if sampled:
+        index = torch.tensor(sampled, device=logits.device)
+        temperature = torch.tensor([rows[i].temperature for i in sampled], device=logits.device)
+        probs = torch.softmax(logits.index_select(0, index) / temperature[:, None], dim=-1)  # [R, V]
+        if any(rows[i].top_k is not None or rows[i].top_p < 1.0 for i in sampled):
+            probs = filter_probs_rows(
+                probs, [rows[i].top_k for i in sampled], [rows[i].top_p for i in sampled]
+            )
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, and never picks p == 0.
-        race = torch.empty_like(probs).exponential_(generator=row.generator)
-        chosen[i] = (probs / race).argmax()
+        race = torch.empty_like(probs)
+        for j, i in enumerate(sampled):
+            race[j].exponential_(generator=rows[i].generator)
+        chosen.index_copy_(0, index, (probs / race).argmax(dim=-1))
     return chosen.tolist()

@@ -1,0 +1,34 @@
+"""The decode CUDA-graph ladder: which batch sizes are captured and which rung a batch pads to
+(plain Python; the capture itself is tested on the GPU in tests/gpu)."""
+
+from __future__ import annotations
+
+import torch
+
+from mii_server.config import ModelConfig
+from mii_server.engine.cuda_graphs import graph_batch_sizes, pick_rung
+from mii_server.models.parallel import TensorParallelGroup
+from mii_server.runtime import use_cuda_graphs
+
+
+def test_ladder_is_fine_below_16_then_coarser_and_ends_at_the_limit() -> None:
+    assert graph_batch_sizes(512) == [1, 2, 4, 8, *range(16, 257, 16), 320, 384, 448, 512]
+    assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]  # the limit is always a rung
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(2048, cap=100) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 100]
+    assert graph_batch_sizes(0) == []
+
+
+def test_a_batch_pads_to_the_smallest_rung_that_holds_it() -> None:
+    sizes = graph_batch_sizes(512)
+    batches = (1, 3, 8, 9, 17, 256, 257, 511, 512)
+    rungs = (1, 4, 8, 16, 32, 256, 320, 512, 512)
+    assert tuple(pick_rung(sizes, n) for n in batches) == rungs
+    assert pick_rung(sizes, 513) is None  # larger decode batches run eagerly
+
+
+def test_graphs_only_where_they_can_run() -> None:
+    cpu = torch.device("cpu")
+    assert not use_cuda_graphs(ModelConfig(), cpu, TensorParallelGroup())
+    assert not use_cuda_graphs(ModelConfig(cuda_graphs=False), cpu, TensorParallelGroup())
+    assert ModelConfig().cuda_graphs is True  # on by default where CUDA allows
