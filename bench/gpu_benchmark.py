@@ -1,0 +1,401 @@
+"""End-to-end GPU benchmark: a Llama-3-8B-shaped model with random bf16 weights, ours vs transformers.
+
+One command, one run (issue 5): writes the checkpoint once (random weights made on the GPU, saved as
+sharded safetensors with a 128,256-word tokenizer), then measures
+
+1. throughput: 256 requests x 512 prompt tokens x 256 generated, all submitted at once (tokens/s);
+2. latency: one 512-token prompt generating 256 tokens (ms per output token);
+3. variable: 512 requests, prompts uniform in [64, 2048], outputs uniform in [32, 512] (tokens/s,
+   time to first token p50 / p99, preemptions);
+4. kernels: the paged-attention micro-benchmarks of ``bench/kernels_bench.py``;
+
+and the same model in transformers ``generate`` as the baseline (kept short: generation times at two
+lengths, extrapolated linearly to 256 tokens). Every figure is printed beside its roofline and as a
+ratio. Greedy decoding and ignore_eos everywhere (random weights give random tokens).
+
+    PYTHONPATH=$PWD python3 bench/gpu_benchmark.py [--only throughput latency] [--no-hf] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+HBM_BYTES_PER_S = 4.24e12  # measured device-to-device copy rate on the H200 (docs/BENCHMARKS.md)
+BF16_FLOPS = 790e12  # measured dense bf16 matmul rate on the H200
+
+SHAPE: dict[str, Any] = {
+    "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 8192,
+    "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": 0,
+    "eos_token_id": 1, "pad_token_id": 2,
+}  # fmt: skip
+SCENARIOS = ("kernels", "throughput", "latency", "variable")
+RESULTS: list[dict[str, Any]] = []
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only for a smoke test at a tiny shape
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def report(name: str, **fields: Any) -> None:
+    row = {"bench": name, **{k: round(v, 4) if isinstance(v, float) else v for k, v in fields.items()}}
+    RESULTS.append(row)
+    print(json.dumps(row), flush=True)
+
+
+# ---- the checkpoint ------------------------------------------------------------------------------
+
+
+def write_checkpoint(out: Path, shards: int = 4) -> Path:
+    """Random bf16 weights (std 0.02, norms 1) of the Llama-3-8B shape, made on the GPU, plus a
+    word-level tokenizer of the full vocabulary ("t0 " ... "t128255 "). Reused when present."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    if (out / "model.safetensors.index.json").exists():
+        return out
+    start = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = LlamaConfig(**SHAPE)
+    h, inter, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+    tensors: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,),
+                                           "lm_head.weight": (v, h)}  # fmt: skip
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
+            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+        }  # fmt: skip
+    names = list(tensors)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    weight_map: dict[str, str] = {}
+    per_shard = -(-len(names) // shards)
+    for s in range(shards):
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {}
+        for name in names[s * per_shard : (s + 1) * per_shard]:
+            shape = tensors[name]
+            if len(shape) == 1:
+                t = torch.ones(shape, dtype=torch.bfloat16)
+            else:
+                t = (torch.randn(shape, device=DEVICE, generator=gen, dtype=torch.bfloat16) * 0.02).cpu()
+            part[name] = t
+            weight_map[name] = file
+        save_file(part, str(out / file), metadata={"format": "pt"})
+        del part
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    cfg.save_pretrained(str(out))
+    vocab = {f"t{i} ": i for i in range(cfg.vocab_size)}
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0 ")),
+        bos_token="t0 ",
+        eos_token="t1 ",
+        pad_token="t2 ",
+        unk_token="t0 ",
+    )
+    tok.save_pretrained(str(out))
+    report("checkpoint_written", seconds=time.perf_counter() - start, path=str(out))
+    return out
+
+
+# ---- rooflines -----------------------------------------------------------------------------------
+
+LAYER_PARAMS = 4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336
+BODY_PARAMS = 32 * LAYER_PARAMS  # every weight a token's forward multiplies, but the LM head
+HEAD_PARAMS = 128256 * 4096
+KV_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2  # layers x (K, V) x KV heads x head dim x bf16
+
+
+def prefill_seconds(prompt_lens: list[int]) -> float:
+    """bf16 compute floor of prefilling these prompts (matmuls + causal attention, LM head once each)."""
+    flops = sum(2 * BODY_PARAMS * n + 2 * HEAD_PARAMS + 32 * 4 * 4096 * n * n / 2 for n in prompt_lens)
+    return flops / BF16_FLOPS
+
+
+def decode_seconds(prompt_lens: list[int], output_lens: list[int]) -> float:
+    """HBM floor of the decode steps: each step reads every weight but the embedding once, and every
+    running sequence's KV cache (steps = the longest output; each token past the first is one step)."""
+    steps = max(output_lens) - 1
+    weights = (BODY_PARAMS + HEAD_PARAMS) * 2 * steps
+    kv = sum(KV_BYTES_PER_TOKEN * sum(p + j for j in range(1, o)) for p, o in zip(prompt_lens, output_lens))
+    return (weights + kv) / HBM_BYTES_PER_S
+
+
+# ---- transformers baseline -----------------------------------------------------------------------
+
+
+def hf_generate_seconds(model: Any, batch: int, prompt: int, new: int) -> float:
+    ids = torch.randint(3, SHAPE["vocab_size"] - 1, (batch, prompt), device=DEVICE)
+    sync()
+    start = time.perf_counter()
+    model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+        do_sample=False, pad_token_id=2,
+    )  # fmt: skip
+    sync()
+    return time.perf_counter() - start
+
+
+def run_hf(path: Path, args: argparse.Namespace) -> dict[str, float]:
+    """transformers generate on the same weights: a few short runs, extrapolated to 256 tokens."""
+    from transformers import AutoModelForCausalLM
+
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.bfloat16, device_map=DEVICE if DEVICE == "cuda" else None
+    ).eval()
+    report("hf_loaded", seconds=time.perf_counter() - start)
+    out: dict[str, float] = {}
+    with torch.inference_mode():
+        hf_generate_seconds(model, 2, 64, 4)  # warm-up
+        if "throughput" in args.only:
+            b, short, long_ = args.hf_batch, 16, args.hf_tokens
+            t_short = hf_generate_seconds(model, b, 512, short)
+            t_long = hf_generate_seconds(model, b, 512, long_)
+            t256 = t_long + (t_long - t_short) * (256 - long_) / (long_ - short)
+            out["throughput"] = b * 256 / t256
+            report("hf_throughput", batch=b, prompt=512, measured_new_tokens=[short, long_],
+                   measured_s=[t_short, t_long], extrapolated_s_for_256=t256,
+                   output_tokens_per_s=out["throughput"])  # fmt: skip
+        if "latency" in args.only:
+            t_short = hf_generate_seconds(model, 1, 512, 16)
+            t_long = hf_generate_seconds(model, 1, 512, 16 + args.hf_tokens)
+            out["latency_ms"] = (t_long - t_short) / args.hf_tokens * 1e3
+            report("hf_latency", prompt=512, ms_per_token=out["latency_ms"])
+    del model
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+# ---- our engine ----------------------------------------------------------------------------------
+
+
+class Tracker:
+    """Sink for many requests: time of first update, time of last, tokens."""
+
+    def __init__(self) -> None:
+        self.first: dict[int, float] = {}
+        self.done: dict[int, float] = {}
+        self.tokens: dict[int, int] = {}
+        self.times: dict[int, list[float]] = {}
+
+    def __call__(self, update: Any) -> None:
+        now = time.perf_counter()
+        if update.error is not None:
+            raise update.error
+        self.first.setdefault(update.uid, now)
+        self.times.setdefault(update.uid, []).append(now)
+        self.tokens[update.uid] = self.tokens.get(update.uid, 0) + len(update.response.token_ids)
+        if update.finished:
+            self.done[update.uid] = now
+
+
+def drive(loop: Any, prompts: list[list[int]], outputs: list[int]) -> tuple[float, Tracker, dict[int, float]]:
+    """Submit every prompt at once and step the loop until all finish; returns (seconds, tracker,
+    submit time per uid)."""
+    from mii_server.generation.params import GenerateParams
+
+    tracker = Tracker()
+    requests = [
+        loop.prepare(
+            p, GenerateParams.from_kwargs(max_new_tokens=o, ignore_eos=True, do_sample=False), tracker
+        )
+        for p, o in zip(prompts, outputs)
+    ]
+    sync()
+    start = time.perf_counter()
+    loop.enqueue(requests)
+    while loop.has_work():
+        loop.step()
+    sync()
+    seconds = time.perf_counter() - start
+    assert len(tracker.done) == len(requests), "not every request finished"
+    assert all(tracker.tokens[r.uid] == o for r, o in zip(requests, outputs)), "wrong token counts"
+    return seconds, tracker, {r.uid: start for r in requests}
+
+
+def random_prompts(rng: torch.Generator, lens: list[int]) -> list[list[int]]:
+    return [torch.randint(3, SHAPE["vocab_size"] - 1, (n,), generator=rng).tolist() for n in lens]
+
+
+def ratio(ours: float, theirs: float | None) -> float | None:
+    return None if not theirs else ours / theirs
+
+
+def run_ours(path: Path, args: argparse.Namespace, hf: dict[str, float]) -> None:
+    from mii_server.config import ModelConfig
+    from mii_server.runtime import build_loop, build_runtime
+
+    start = time.perf_counter()
+    config = ModelConfig(
+        model_name_or_path=str(path), dtype="bfloat16", device=DEVICE, cuda_graphs=not args.no_graphs,
+        max_ragged_batch_size=args.batch_tokens, max_ragged_sequence_count=512, max_tracked_sequences=2048,
+        kv_cache={"reserve_bytes": int(args.reserve_gb * 1e9)},
+    )  # fmt: skip
+    runtime = build_runtime(config)
+    loop = build_loop(config, runtime)
+    engine = runtime.engine
+    graphs = engine.cuda_graphs
+    free, _ = torch.cuda.mem_get_info() if DEVICE == "cuda" else (0, 0)
+    report("ours_loaded", seconds=time.perf_counter() - start, kv_blocks=engine.total_blocks,
+           block_size=engine.block_size, kv_gib=engine.total_blocks * engine.block_size * KV_BYTES_PER_TOKEN / 2**30,
+           graph_rungs=None if graphs is None else graphs.batch_sizes,
+           graph_pool_mib=None if graphs is None else graphs.pool_bytes / 2**20,
+           free_mib_after=free / 2**20, allocated_mib=torch.cuda.memory_allocated() / 2**20,
+           reserved_mib=torch.cuda.memory_reserved() / 2**20, config=config.model_dump(exclude={"kv_cache"}))  # fmt: skip
+    rng = torch.Generator().manual_seed(0)
+    # warm-up: compile the eager kernels for the batch shapes Triton specialises on (1, 16k, other)
+    drive(loop, random_prompts(rng, [600, 37, 1100, 5]), [20, 9, 3, 40])
+    drive(loop, random_prompts(rng, [40] * 16), [4] * 16)
+    drive(loop, random_prompts(rng, [300]), [2])
+
+    if "throughput" in args.only:
+        n, p, o = 256, 512, 256
+        seconds, _, _ = drive(loop, random_prompts(rng, [p] * n), [o] * n)
+        tps = n * o / seconds
+        floor = prefill_seconds([p] * n) + decode_seconds([p] * n, [o] * n)
+        report("throughput", requests=n, prompt=p, output=o, seconds=seconds, output_tokens_per_s=tps,
+               roofline_tokens_per_s=n * o / floor, frac_roofline=tps / (n * o / floor),
+               target=10000, vs_hf=ratio(tps, hf.get("throughput")), hf_tokens_per_s=hf.get("throughput"),
+               preemptions=loop.scheduler.num_preemptions)  # fmt: skip
+
+    if "latency" in args.only:
+        per_token = []
+        for _ in range(2):  # the first run warms up whatever the throughput run did not
+            _, tracker, _ = drive(loop, random_prompts(rng, [512]), [256])
+            times = next(iter(tracker.times.values()))
+            per_token.append((times[-1] - times[0]) / (len(times) - 1) * 1e3)
+        floor_ms = (BODY_PARAMS + HEAD_PARAMS) * 2 / HBM_BYTES_PER_S * 1e3
+        ms = per_token[-1]
+        report("latency", prompt=512, output=256, ms_per_token=ms, warmup_ms_per_token=per_token[0],
+               floor_ms=floor_ms, frac_floor=floor_ms / ms, target_ms=4.5,
+               hf_ms_per_token=hf.get("latency_ms"), speedup_vs_hf=ratio(hf.get("latency_ms", 0.0), ms))  # fmt: skip
+        if graphs is not None and args.compare_eager:
+            engine.use_cuda_graphs = False
+            _, tracker, _ = drive(loop, random_prompts(rng, [512]), [256])
+            engine.use_cuda_graphs = True
+            times = next(iter(tracker.times.values()))
+            report("latency_eager", ms_per_token=(times[-1] - times[0]) / (len(times) - 1) * 1e3)
+
+    if "variable" in args.only:
+        vrng = torch.Generator().manual_seed(1)
+        n = 512
+        plens = torch.randint(64, 2049, (n,), generator=vrng).tolist()
+        olens = torch.randint(32, 513, (n,), generator=vrng).tolist()
+        pre = loop.scheduler.num_preemptions
+        seconds, tracker, submitted = drive(loop, random_prompts(vrng, plens), olens)
+        ttft = sorted(tracker.first[uid] - submitted[uid] for uid in submitted)
+        tps = sum(olens) / seconds
+        floor = prefill_seconds(plens) + decode_seconds(plens, olens)
+        report("variable", requests=n, prompt_tokens=sum(plens), output_tokens=sum(olens), seconds=seconds,
+               output_tokens_per_s=tps, roofline_tokens_per_s=sum(olens) / floor,
+               frac_roofline=tps / (sum(olens) / floor), ttft_p50_s=statistics.median(ttft),
+               ttft_p99_s=ttft[int(0.99 * (n - 1))], ttft_max_s=ttft[-1],
+               preemptions=loop.scheduler.num_preemptions - pre)  # fmt: skip
+
+    if args.profile:
+        profile(loop, rng)
+
+
+def profile(loop: Any, rng: torch.Generator) -> None:
+    """torch.profiler over (a) batch-1 decode and (b) 256-wide decode with prefill: kernel time by
+    name, and GPU-busy time against wall time (the difference is host overhead between kernels)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    cases = {
+        "profile_batch1_decode": ([512], [65]),
+        "profile_batch256_512in_32out": ([512] * 256, [32] * 256),
+    }
+    for name, (plens, olens) in cases.items():
+        prompts = random_prompts(rng, plens)
+        if name == "profile_batch1_decode":
+            drive(loop, prompts, olens)  # same shapes once before the profiled run
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            seconds, _, _ = drive(loop, prompts, olens)
+        rows = prof.key_averages()
+
+        def device_us(e: Any) -> float:
+            return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)))
+
+        # kernels and copies only: CPU-side ops (aten::mm, ...) carry their kernels' time again
+        busy = sum(device_us(e) for e in rows if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
+        top = sorted(rows, key=device_us, reverse=True)[:14]
+        report(name, wall_s=seconds, gpu_busy_s=busy, gpu_busy_frac=busy / seconds,
+               top_kernels=[(e.key[:60], round(device_us(e) / 1e3, 2), e.count) for e in top])  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--only", nargs="+", choices=SCENARIOS, default=list(SCENARIOS), help="scenarios to run"
+    )
+    parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    parser.add_argument("--no-graphs", action="store_true", help="run our engine without CUDA graphs")
+    parser.add_argument(
+        "--compare-eager", action="store_true", help="also time batch-1 decode with graphs off"
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="torch.profiler breakdowns after the scenarios"
+    )
+    parser.add_argument("--weights", default="/tmp/llama3-8b-random", help="checkpoint directory (made once)")
+    parser.add_argument("--batch-tokens", type=int, default=4096, help="our max_ragged_batch_size")
+    parser.add_argument(
+        "--hf-batch", type=int, default=128, help="transformers batch for the throughput baseline"
+    )
+    parser.add_argument(
+        "--hf-tokens", type=int, default=48, help="longer of the two transformers generation lengths"
+    )
+    parser.add_argument("--reserve-gb", type=float, default=4.0, help="our kv_cache.reserve_bytes, in GB")
+    parser.add_argument("--json", help="write every result row to this file")
+    args = parser.parse_args()
+    os.environ.setdefault("MII_SERVER_PROGRESS", "0")
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("mii_server").setLevel(logging.INFO)
+    import transformers
+
+    assert DEVICE == "cuda", "this benchmark needs a CUDA device"
+    import triton
+
+    report("machine", device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+           transformers=transformers.__version__, date=time.strftime("%Y-%m-%d"), argv=sys.argv[1:])  # fmt: skip
+    if "kernels" in args.only:
+        import kernels_bench
+
+        torch.manual_seed(0)
+        for block_size in (16, 64):
+            kernels_bench.bench_decode(False, block_size)
+        kernels_bench.bench_prefill(False, 64)
+        torch.cuda.empty_cache()
+    path = write_checkpoint(Path(args.weights))
+    hf = {} if args.no_hf or not {"throughput", "latency"} & set(args.only) else run_hf(path, args)
+    if {"throughput", "latency", "variable"} & set(args.only):
+        run_ours(path, args, hf)
+    if args.json:
+        Path(args.json).write_text(json.dumps(RESULTS, indent=1))
+
+
+if __name__ == "__main__":
+    main()
