@@ -71,6 +71,7 @@ def main() -> None:
     ap.add_argument("--gen-len", type=int, default=256)
     ap.add_argument("--port", type=int, default=50050)
     ap.add_argument("--layouts", default="tp1,tp2,2x-tp1")
+    ap.add_argument("--reserve-gb", type=float, default=4.0, help="GPU memory each rank leaves outside the KV cache")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args()
 
@@ -87,7 +88,10 @@ def main() -> None:
         t0 = time.perf_counter()
         # a fresh port block per layout: the previous one's sockets may linger in FIN_WAIT
         port = args.port + 10 * index
-        client = mii_server.serve(str(path), deployment_name=f"tp-bench-{name}", port_number=port, **layouts[name])
+        client = mii_server.serve(
+            str(path), deployment_name=f"tp-bench-{name}", port_number=port,
+            kv_cache={"reserve_bytes": int(args.reserve_gb * 2**30)}, **layouts[name],
+        )  # fmt: skip
         print(f"[{name}] ready in {time.perf_counter() - t0:.0f}s", flush=True)
         try:
             results[name] = measure(client, args, agree_prompts, long_prompt, batch_prompts)
