@@ -47,6 +47,8 @@ def measure(client, args, agree_prompts, long_prompt, batch_prompts) -> dict:
     out: dict = {}
     agree = client.generate(agree_prompts, max_new_tokens=args.agree_tokens, do_sample=False, ignore_eos=True)
     out["agree_ids"] = [r.token_ids for r in agree]
+    if args.agreement_only:
+        return out
     # batch-1 decode latency (warm up once, then measure)
     client.generate([long_prompt], max_new_tokens=8, do_sample=False, ignore_eos=True)
     stamps = []
@@ -72,6 +74,8 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=50050)
     ap.add_argument("--layouts", default="tp1,tp2,2x-tp1")
     ap.add_argument("--reserve-gb", type=float, default=4.0, help="GPU memory each rank leaves outside the KV cache")
+    ap.add_argument("--dtype", default="auto", help="weights and activations (auto = bfloat16 on GPUs)")
+    ap.add_argument("--agreement-only", action="store_true", help="skip the latency and throughput runs")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args()
 
@@ -90,7 +94,7 @@ def main() -> None:
         port = args.port + 10 * index
         client = mii_server.serve(
             str(path), deployment_name=f"tp-bench-{name}", port_number=port,
-            kv_cache={"reserve_bytes": int(args.reserve_gb * 2**30)}, **layouts[name],
+            kv_cache={"reserve_bytes": int(args.reserve_gb * 2**30)}, dtype=args.dtype, **layouts[name],
         )  # fmt: skip
         print(f"[{name}] ready in {time.perf_counter() - t0:.0f}s", flush=True)
         try:
@@ -99,10 +103,20 @@ def main() -> None:
             client.terminate_server()
             client.close()
         r = results[name]
+        if args.agreement_only:
+            continue
         print(f"[{name}] batch-1 {r['ms_per_token']:.2f} ms/token; {r['tokens_per_s']:,.0f} output tokens/s", flush=True)
 
+    if not args.agreement_only:
+        print_speed_table(results, args)
+    print_agreement(results, args)
+    if args.json:
+        args.json.write_text(json.dumps({k: {m: v for m, v in r.items() if m != "agree_ids"} for k, r in results.items()}))
+
+
+def print_speed_table(results: dict, args: argparse.Namespace) -> None:
     floor = weight_bytes(LLAMA3_8B) / HBM_BYTES_PER_S * 1000
-    print(f"\nLlama-3-8B shape, bf16, {args.requests} requests x ~{results[next(iter(results))]['prompt_tokens']:.0f} "
+    print(f"\nLlama-3-8B shape, {args.dtype}, {args.requests} requests x ~{results[next(iter(results))]['prompt_tokens']:.0f} "
           f"prompt tokens x {args.gen_len} generated; batch-1: one prompt, {args.gen_len} tokens")  # fmt: skip
     print(f"{'layout':8} {'ms/token':>9} {'floor':>7} {'vs tp1':>7} {'tokens/s':>10} {'vs tp1':>7}")
     base = results.get("tp1")
@@ -112,6 +126,9 @@ def main() -> None:
         thr_ratio = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
         print(f"{name:8} {r['ms_per_token']:9.2f} {floor / gpus_per_replica:7.2f} {lat_ratio:6.2f}x "
               f"{r['tokens_per_s']:10,.0f} {thr_ratio:6.2f}x")  # fmt: skip
+
+
+def print_agreement(results: dict, args: argparse.Namespace) -> None:
     if "tp1" in results and "tp2" in results:
         a, b = results["tp1"]["agree_ids"], results["tp2"]["agree_ids"]
         same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
@@ -119,9 +136,8 @@ def main() -> None:
         prefix = [next((k for k, (x, y) in enumerate(zip(ra, rb)) if x != y), len(ra)) for ra, rb in zip(a, b)]
         print(f"\nTP=2 vs TP=1 greedy agreement over {len(a)} prompts x {args.agree_tokens} tokens: "
               f"{same / total:.1%} of positions identical; {sum(p == len(r) for p, r in zip(prefix, a))}/{len(a)} "
-              f"prompts identical throughout; mean identical prefix {sum(prefix) / len(prefix):.1f} tokens")  # fmt: skip
-    if args.json:
-        args.json.write_text(json.dumps({k: {m: v for m, v in r.items() if m != "agree_ids"} for k, r in results.items()}))
+              f"prompts identical throughout; mean identical prefix {sum(prefix) / len(prefix):.1f} tokens "
+              f"({args.dtype})")  # fmt: skip
 
 
 if __name__ == "__main__":
