@@ -64,7 +64,7 @@ class Pipeline:
         prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
         updates: dict[int, list[RequestUpdate]] = {}
         # Validate every prompt before queueing any, so a bad one leaves nothing behind.
-        requests = [loop.prepare(p, params, lambda u: updates[u.uid].append(u)) for p in prompt_list]
+        requests = [loop.prepare(p, params, lambda u: updates[u.uid].append(u), stream=False) for p in prompt_list]
         for req in requests:
             updates[req.uid] = []
         loop.enqueue(requests)

@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
+from ..engine.state_manager import blocks_for
 from ..errors import InvalidRequest
 from ..generation.detokenizer import IncrementalDetokenizer
 from ..generation.params import GenerateParams
 from ..generation.sampler import sample
-from ..engine.state_manager import blocks_for
 from .executor import StepExecutor
 from .request import Request, RequestStatus, RequestUpdate, Sink
 from .scheduler import Scheduler
@@ -71,8 +71,12 @@ class GenerationLoop:
 
     # ---- any thread ----------------------------------------------------------------------------
 
-    def prepare(self, prompt: str | list[int], params: GenerateParams, sink: Sink) -> Request:
-        """Tokenise and validate one prompt; raises InvalidRequest. Nothing is queued yet."""
+    def prepare(self, prompt: str | list[int], params: GenerateParams, sink: Sink, stream: bool = True) -> Request:
+        """Tokenise and validate one prompt; raises InvalidRequest. Nothing is queued yet.
+
+        ``stream``: updates carry text as it is generated; otherwise (and unless stop strings must be
+        watched) the text is decoded once, into the final update.
+        """
         with self._lock:
             uid = next(self._uids)
             if isinstance(prompt, str):
@@ -104,6 +108,7 @@ class GenerationLoop:
             generator=generator,
             sink=sink,
             prompt_text=text,
+            incremental_text=stream or bool(params.stop),
         )
 
     def enqueue(self, requests: list[Request]) -> None:
@@ -111,8 +116,8 @@ class GenerationLoop:
             self._inbox.extend(requests)
             self._wakeup.notify()
 
-    def submit(self, prompt: str | list[int], params: GenerateParams, sink: Sink) -> int:
-        request = self.prepare(prompt, params, sink)
+    def submit(self, prompt: str | list[int], params: GenerateParams, sink: Sink, stream: bool = True) -> int:
+        request = self.prepare(prompt, params, sink, stream)
         self.enqueue([request])
         return request.uid
 

@@ -50,6 +50,7 @@ class Request:
     generator: torch.Generator | None  # None for greedy requests
     sink: Sink
     prompt_text: str = ""  # for return_full_text
+    incremental_text: bool = True  # decode token by token (streaming, stop strings), else once at the end
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     status: RequestStatus = RequestStatus.WAITING
@@ -91,13 +92,16 @@ class Request:
         text = ""
         if token_id in self.stop_ids:
             finish = FinishReason.STOP
-        else:
+        elif self.incremental_text:
             text = self.stop_strings.feed(self.detokenizer.push(token_id))
             if self.stop_strings.matched:
                 finish = FinishReason.STOP
         if finish is FinishReason.NONE and len(self.output_ids) >= self.max_new_tokens:
             finish = FinishReason.LENGTH
         if finish is not FinishReason.NONE:
+            if not self.incremental_text:  # the whole text at once (the stop token has no text)
+                ids = self.output_ids[:-1] if finish is FinishReason.STOP else self.output_ids
+                text = self.detokenizer.push_all(ids)
             text += self.stop_strings.feed(self.detokenizer.flush()) + self.stop_strings.flush()
         return self._response(text, [token_id], finish)
 

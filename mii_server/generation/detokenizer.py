@@ -53,6 +53,14 @@ class IncrementalDetokenizer:
             return full[len(prefix) :]
         return ""
 
+    def push_all(self, token_ids: list[int]) -> str:
+        """Add many generated ids at once; return the text they complete (as ``push`` one by one
+        would, joined)."""
+        if not token_ids:
+            return ""
+        self.ids.extend(token_ids[:-1])
+        return self.push(token_ids[-1])
+
     def flush(self) -> str:
         """At the end of generation: whatever is still held back (an unfinished character decodes
         to U+FFFD, as a whole decode of the ids would show it)."""

@@ -61,11 +61,21 @@ class EngineDriver:
     def context_length(self) -> int:
         return self.runtime.context_length
 
-    def submit(self, prompt: str | list[int], params: GenerateParams, sink: Callable[[RequestUpdate], None]) -> int:
-        """Queue one prompt; raises InvalidRequest at once for a bad one, EngineDead after shutdown."""
+    def submit(
+        self,
+        prompt: str | list[int],
+        params: GenerateParams,
+        sink: Callable[[RequestUpdate], None],
+        stream: bool = True,
+    ) -> int:
+        """Queue one prompt; raises InvalidRequest at once for a bad one, EngineDead after shutdown.
+
+        ``stream=False``: the sink still gets an update per token, but the text comes whole with the
+        final one (decoded once instead of token by token).
+        """
         if self._stopping.is_set() or self._failure is not None:
             raise EngineDead(f"the engine is not running ({self._failure or 'shut down'})")
-        return self.loop.submit(prompt, params, sink)
+        return self.loop.submit(prompt, params, sink, stream)
 
     def abort(self, uid: int) -> None:
         self.loop.abort(uid)

@@ -62,7 +62,7 @@ class ReplicaServicer(generation_pb2_grpc.GenerationServicer):
 
     # ---- RPCs -------------------------------------------------------------------------------
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.GenerateReply:
-        requests = self._start(request, context)
+        requests = self._start(request, context, stream=False)
         for _, update in requests.updates():
             if update.error is not None:
                 requests.abort_unfinished()
@@ -76,7 +76,7 @@ class ReplicaServicer(generation_pb2_grpc.GenerationServicer):
     def GenerateStream(
         self, request: pb.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.Completion]:
-        requests = self._start(request, context)
+        requests = self._start(request, context, stream=True)
         try:
             for index, update in requests.updates():
                 if update.error is not None:
@@ -132,8 +132,9 @@ class ReplicaServicer(generation_pb2_grpc.GenerationServicer):
         return pb.TerminateReply()
 
     # ---- helpers ----------------------------------------------------------------------------
-    def _start(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> RpcRequests:
-        """Validate, submit every prompt and tie their lifetime to the RPC's."""
+    def _start(self, request: pb.GenerateRequest, context: grpc.ServicerContext, stream: bool) -> RpcRequests:
+        """Validate, submit every prompt and tie their lifetime to the RPC's. ``stream``: the caller
+        reads text as it comes (else the text is decoded once, when each prompt finishes)."""
         driver = self._driver
         if driver is None or self.stop_requested.is_set():
             abort_rpc(
@@ -145,7 +146,7 @@ class ReplicaServicer(generation_pb2_grpc.GenerationServicer):
             self.metrics.failed(exc)
             log.warning("request_id=%s rejected: %s", request.request_id or "-", exc)
             abort_rpc(context, exc)
-        requests = RpcRequests(self._instrumented_submit(driver, request.request_id), driver.abort)
+        requests = RpcRequests(self._instrumented_submit(driver, request.request_id, stream), driver.abort)
         # why before submitting: a client that is already gone must not leave work behind
         if not context.add_callback(requests.abort_unfinished):
             abort_rpc(context, EngineDead("the RPC ended before it started"))
@@ -173,7 +174,7 @@ class ReplicaServicer(generation_pb2_grpc.GenerationServicer):
                 f"(max_queued_requests={self.max_queued_requests}); retry later"
             )
 
-    def _instrumented_submit(self, driver: EngineDriver, request_id: str) -> Callable[..., int]:
+    def _instrumented_submit(self, driver: EngineDriver, request_id: str, stream: bool) -> Callable[..., int]:
         """``driver.submit`` that counts outstanding prompts, feeds metrics and logs each prompt's end."""
 
         def submit(prompt: str, params: object, sink: Callable[[object], None]) -> int:
@@ -199,7 +200,7 @@ class ReplicaServicer(generation_pb2_grpc.GenerationServicer):
             with self._lock:
                 self._outstanding += 1
             try:
-                uid = driver.submit(prompt, params, observing)
+                uid = driver.submit(prompt, params, observing, stream=stream)
             except BaseException as exc:
                 with self._lock:
                     self._outstanding -= 1
