@@ -60,9 +60,12 @@ class Request:
     def __post_init__(self) -> None:
         self.stop_strings = StopStringMatcher(self.params.stop)
 
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def token_slice(self, start: int, n: int) -> list[int]:
+        """Tokens ``start:start+n`` of prompt + output, without copying the whole sequence."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p : start - p + n]
+        return (self.prompt_ids[start : start + n] + self.output_ids)[:n]
 
     @property
     def num_tokens(self) -> int:

@@ -81,7 +81,7 @@ class Scheduler:
             nonlocal tokens_left
             start = req.num_computed_tokens
             out.step.uids.append(req.uid)
-            out.step.tokens.append(req.all_ids[start : start + n])
+            out.step.tokens.append(req.token_slice(start, n))
             out.requests.append(req)
             chosen.add(req.uid)
             tokens_left -= n
