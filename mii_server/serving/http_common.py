@@ -6,8 +6,10 @@ No torch, no Flask: the REST gateway and the OpenAI-compatible server both call 
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 import re
+import signal
 import uuid
 from pathlib import Path
 from typing import Any
@@ -77,3 +79,23 @@ def deployment_health(client: Client) -> tuple[bool, dict[str, Any]]:
         "replicas": [{"index": r.replica_index, "healthy": r.healthy} for r in replicas],
     }
     return healthy > 0, detail
+
+
+def serve_wsgi(app: Any, host: str, port: int, threads: int, banner: str, **waitress_options: Any) -> None:
+    """Serve ``app`` with waitress (a production WSGI server) until SIGTERM or SIGINT."""
+    import waitress  # why here: only the HTTP roles need it
+
+    server = waitress.create_server(app, host=host, port=port, threads=threads, ident="mii-server", **waitress_options)
+
+    def _stop(*_: object) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    logging.getLogger(__name__).info("%s", banner)
+    try:
+        server.run()
+    except SystemExit:
+        pass
+    finally:
+        server.close()

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import queue
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,7 +32,7 @@ from flask import Flask, Response, g, request
 from ..errors import MIIServerError
 from .client import Client, StreamCall
 from .deployment import DeploymentConfig
-from .http_common import REQUEST_ID_HEADER, ApiKeys, deployment_health, request_id_from
+from .http_common import REQUEST_ID_HEADER, ApiKeys, deployment_health, request_id_from, serve_wsgi
 from .metrics import EngineStatsCollector, HttpMetrics, exposition
 from .openai_protocol import (
     ApiError,
@@ -329,38 +328,18 @@ def _reason_of(response: Response) -> str:
 
 def serve_openai_server(cfg: DeploymentConfig) -> int:
     """Run the OpenAI-compatible server in this process until SIGTERM/SIGINT."""
-    import waitress  # why here: only this role needs it
-
     keys = ApiKeys.load(cfg.api_key_file)
     client = Client(cfg.lb_address, deployment_name=cfg.deployment_name)
-    app = create_app(cfg, client, keys)
-    server = waitress.create_server(
-        app,
-        host=cfg.openai_api_host,
-        port=cfg.openai_api_port,
-        threads=cfg.openai_api_threads,
-        ident="mii-server",
-        # why: keep reading the socket while a request runs, so a client that leaves is seen at once
-        channel_request_lookahead=1,
-    )
-
-    def _stop(*_: object) -> None:
-        raise SystemExit(0)
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    log.info(
-        "OpenAI-compatible server on %s (model %r, %s) -> %s",
-        cfg.openai_url,
-        cfg.served_model,
-        "API key required" if keys.required else "no API key",
-        cfg.lb_address,
+    banner = (
+        f"OpenAI-compatible server on {cfg.openai_url} (model {cfg.served_model!r}, "
+        f"{'API key required' if keys.required else 'no API key'}) -> {cfg.lb_address}"
     )
     try:
-        server.run()
-    except SystemExit:
-        pass
+        serve_wsgi(
+            create_app(cfg, client, keys), cfg.openai_api_host, cfg.openai_api_port, cfg.openai_api_threads, banner,
+            # why: keep reading the socket while a request runs, so a client that leaves is seen at once
+            channel_request_lookahead=1,
+        )  # fmt: skip
     finally:
-        server.close()
         client.close()
     return 0

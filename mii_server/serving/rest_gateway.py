@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -23,7 +22,7 @@ from flask import Flask, Response, g, request, stream_with_context
 from ..errors import DeploymentNotFound, InvalidRequest, MIIServerError
 from .client import Client
 from .deployment import DeploymentConfig
-from .http_common import REQUEST_ID_HEADER, ApiKeys, deployment_health, request_id_from
+from .http_common import REQUEST_ID_HEADER, ApiKeys, deployment_health, request_id_from, serve_wsgi
 from .metrics import EngineStatsCollector, HttpMetrics, exposition
 from .status import error_name_of, http_status_of
 
@@ -173,35 +172,14 @@ def _sse(chunks: Iterator[Any]) -> Iterator[str]:
 
 def serve_rest_gateway(cfg: DeploymentConfig) -> int:
     """Run the gateway in this process until SIGTERM/SIGINT."""
-    import waitress  # why here: only this role needs it
-
     client = Client(cfg.lb_address, deployment_name=cfg.deployment_name)
     app = create_app(cfg.deployment_name, client, ApiKeys.load(cfg.api_key_file))
-    server = waitress.create_server(
-        app,
-        host=cfg.restful_api_host,
-        port=cfg.restful_api_port,
-        threads=cfg.restful_api_threads,
-        ident="mii-server",
-    )
-
-    def _stop(*_: object) -> None:
-        raise SystemExit(0)
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    log.info(
-        "REST gateway on http://%s:%d/mii/%s -> %s",
-        cfg.restful_api_host,
-        cfg.restful_api_port,
-        cfg.deployment_name,
-        cfg.lb_address,
+    banner = (
+        f"REST gateway on http://{cfg.restful_api_host}:{cfg.restful_api_port}/mii/{cfg.deployment_name} "
+        f"-> {cfg.lb_address}"
     )
     try:
-        server.run()
-    except SystemExit:
-        pass
+        serve_wsgi(app, cfg.restful_api_host, cfg.restful_api_port, cfg.restful_api_threads, banner)
     finally:
-        server.close()
         client.close()
     return 0
