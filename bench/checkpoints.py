@@ -1,76 +1,83 @@
-"""Random-weight checkpoints of real model shapes, written fast (weights drawn on the GPU when there is one).
+"""Random-weight checkpoints of real model shapes for the GPU benchmarks, written fast.
 
-Used by the GPU benchmarks: the model loads through mii-server's normal safetensors loader and
-through Hugging Face transformers alike. The tokenizer is the demo model's small byte-level BPE
-(ids beyond its vocabulary decode to nothing), so prompts are made of ids, not text.
+The weights are drawn on the GPU when there is one (std 0.02, norms 1) and saved as sharded
+safetensors, so both mii-server's loader and Hugging Face transformers read them. The tokenizer is
+word-level over the whole vocabulary ("t0 " ... "t{V-1} "), so a prompt of n ids is the text
+``word_text(ids)`` and tokenises back to exactly those n ids.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-LLAMA3_8B = {
-    "vocab_size": 128256,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "max_position_embeddings": 8192,
-    "rope_theta": 500000.0,
-    "rms_norm_eps": 1e-5,
-}
+LLAMA3_8B: dict[str, Any] = {
+    "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 8192,
+    "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": 0,
+    "eos_token_id": 1, "pad_token_id": 2,
+}  # fmt: skip
 
 
-def write_random_llama(out_dir: Path, shape: dict, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Path:
-    """Write config.json, sharded safetensors (one shard per 4 layers) and the demo tokenizer."""
-    from transformers import LlamaConfig
+def word_text(ids: list[int]) -> str:
+    """The text that the word-level tokenizer turns into exactly ``ids``."""
+    return "".join(f"t{i} " for i in ids)
 
-    from mii_server.demo_model import train_tokenizer
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if (out_dir / "model.safetensors.index.json").exists():
-        return out_dir
-    tokenizer = train_tokenizer(out_dir)
-    config = LlamaConfig(
-        **shape, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False
-    )
-    config.save_pretrained(str(out_dir))
+def write_random_llama(out: Path, shape: dict[str, Any] = LLAMA3_8B, shards: int = 4) -> Path:
+    """Write config, weights and tokenizer of a random Llama of ``shape`` (reused when present)."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    if (out / "model.safetensors.index.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator(device=device).manual_seed(seed)
-    h, i, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
-    d = h // shape["num_attention_heads"]
-    kv = shape["num_key_value_heads"] * d
-
-    def rand(*size: int) -> torch.Tensor:
-        # std 0.02 like an initialised model; norms stay at 1 so activations keep a sane scale
-        return (torch.randn(size, generator=gen, device=device, dtype=torch.float32) * 0.02).to(dtype).cpu()
-
+    cfg = LlamaConfig(**shape)
+    h, inter, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+    tensors: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,),
+                                           "lm_head.weight": (v, h)}  # fmt: skip
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
+            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+        }  # fmt: skip
+    names = list(tensors)
+    gen = torch.Generator(device=device).manual_seed(0)
     weight_map: dict[str, str] = {}
-
-    def flush(tensors: dict[str, torch.Tensor], name: str) -> None:
-        save_file(tensors, str(out_dir / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in tensors})
-
-    flush({"model.embed_tokens.weight": rand(v, h), "lm_head.weight": rand(v, h),
-           "model.norm.weight": torch.ones(h, dtype=dtype)}, "embed.safetensors")  # fmt: skip
-    layers = shape["num_hidden_layers"]
-    for first in range(0, layers, 4):
-        shard: dict[str, torch.Tensor] = {}
-        for layer in range(first, min(first + 4, layers)):
-            p = f"model.layers.{layer}."
-            shard.update({
-                p + "self_attn.q_proj.weight": rand(h, h), p + "self_attn.k_proj.weight": rand(kv, h),
-                p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, h),
-                p + "mlp.gate_proj.weight": rand(i, h), p + "mlp.up_proj.weight": rand(i, h),
-                p + "mlp.down_proj.weight": rand(h, i),
-                p + "input_layernorm.weight": torch.ones(h, dtype=dtype),
-                p + "post_attention_layernorm.weight": torch.ones(h, dtype=dtype),
-            })  # fmt: skip
-        flush(shard, f"layers-{first:02d}.safetensors")
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return out_dir
+    per_shard = -(-len(names) // shards)
+    for s in range(shards):
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {}
+        for name in names[s * per_shard : (s + 1) * per_shard]:
+            size = tensors[name]
+            if len(size) == 1:
+                part[name] = torch.ones(size, dtype=torch.bfloat16)
+            else:
+                part[name] = (torch.randn(size, device=device, generator=gen, dtype=torch.bfloat16) * 0.02).cpu()
+            weight_map[name] = file
+        save_file(part, str(out / file), metadata={"format": "pt"})
+        del part
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    cfg.save_pretrained(str(out))
+    vocab = {f"t{i} ": i for i in range(cfg.vocab_size)}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="t0 "))
+    words.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")  # "t5 t9 " -> "t5 ", "t9 "
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=words,
+        bos_token="t0 ",
+        eos_token="t1 ",
+        pad_token="t2 ",
+        unk_token="t0 ",
+    )
+    tok.save_pretrained(str(out))
+    return out

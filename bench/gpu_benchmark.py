@@ -33,15 +33,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from checkpoints import LLAMA3_8B, write_random_llama
+
 HBM_BYTES_PER_S = 4.24e12  # measured device-to-device copy rate on the H200 (docs/BENCHMARKS.md)
 BF16_FLOPS = 790e12  # measured dense bf16 matmul rate on the H200
 
-SHAPE: dict[str, Any] = {
-    "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 8192,
-    "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": 0,
-    "eos_token_id": 1, "pad_token_id": 2,
-}  # fmt: skip
+SHAPE = LLAMA3_8B
 SCENARIOS = ("kernels", "throughput", "latency", "variable")
 RESULTS: list[dict[str, Any]] = []
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only for a smoke test at a tiny shape
@@ -56,66 +53,6 @@ def report(name: str, **fields: Any) -> None:
     row = {"bench": name, **{k: round(v, 4) if isinstance(v, float) else v for k, v in fields.items()}}
     RESULTS.append(row)
     print(json.dumps(row), flush=True)
-
-
-# ---- the checkpoint ------------------------------------------------------------------------------
-
-
-def write_checkpoint(out: Path, shards: int = 4) -> Path:
-    """Random bf16 weights (std 0.02, norms 1) of the Llama-3-8B shape, made on the GPU, plus a
-    word-level tokenizer of the full vocabulary ("t0 " ... "t128255 "). Reused when present."""
-    from safetensors.torch import save_file
-    from tokenizers import Tokenizer, models
-    from transformers import LlamaConfig, PreTrainedTokenizerFast
-
-    if (out / "model.safetensors.index.json").exists():
-        return out
-    start = time.perf_counter()
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = LlamaConfig(**SHAPE)
-    h, inter, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
-    tensors: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,),
-                                           "lm_head.weight": (v, h)}  # fmt: skip
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        tensors |= {
-            p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
-            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-        }  # fmt: skip
-    names = list(tensors)
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
-    weight_map: dict[str, str] = {}
-    per_shard = -(-len(names) // shards)
-    for s in range(shards):
-        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        part = {}
-        for name in names[s * per_shard : (s + 1) * per_shard]:
-            shape = tensors[name]
-            if len(shape) == 1:
-                t = torch.ones(shape, dtype=torch.bfloat16)
-            else:
-                t = (torch.randn(shape, device=DEVICE, generator=gen, dtype=torch.bfloat16) * 0.02).cpu()
-            part[name] = t
-            weight_map[name] = file
-        save_file(part, str(out / file), metadata={"format": "pt"})
-        del part
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    cfg.save_pretrained(str(out))
-    vocab = {f"t{i} ": i for i in range(cfg.vocab_size)}
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0 ")),
-        bos_token="t0 ",
-        eos_token="t1 ",
-        pad_token="t2 ",
-        unk_token="t0 ",
-    )
-    tok.save_pretrained(str(out))
-    report("checkpoint_written", seconds=time.perf_counter() - start, path=str(out))
-    return out
 
 
 # ---- rooflines -----------------------------------------------------------------------------------
@@ -389,7 +326,9 @@ def main() -> None:
             kernels_bench.bench_decode(False, block_size)
         kernels_bench.bench_prefill(False, 64)
         torch.cuda.empty_cache()
-    path = write_checkpoint(Path(args.weights))
+    start = time.perf_counter()
+    path = write_random_llama(Path(args.weights))
+    report("checkpoint_ready", seconds=time.perf_counter() - start, path=str(path))
     hf = {} if args.no_hf or not {"throughput", "latency"} & set(args.only) else run_hf(path, args)
     if {"throughput", "latency", "variable"} & set(args.only):
         run_ours(path, args, hf)

@@ -21,19 +21,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from checkpoints import LLAMA3_8B, write_random_llama
+from checkpoints import LLAMA3_8B, word_text, write_random_llama
 
 import mii_server
 
 HBM_BYTES_PER_S = 4.24e12  # measured H200 copy bandwidth (KINDS.md)
 
 
-def make_prompts(tokenizer, count: int, length: int, seed: int) -> list[str]:
-    """Texts of about ``length`` tokens: random ids of the tokenizer's ordinary vocabulary, decoded."""
+def make_prompts(count: int, length: int, seed: int) -> list[str]:
+    """``count`` texts of exactly ``length`` random tokens (of the checkpoint's word-level vocabulary)."""
     rng = random.Random(seed)
-    special = set(tokenizer.all_special_ids)
-    ids = [i for i in range(len(tokenizer)) if i not in special]
-    return [tokenizer.decode([rng.choice(ids) for _ in range(length)]) for _ in range(count)]
+    return [word_text([rng.randrange(3, LLAMA3_8B["vocab_size"]) for _ in range(length)]) for _ in range(count)]
 
 
 def weight_bytes(shape: dict) -> float:
@@ -80,12 +78,9 @@ def main() -> None:
     args = ap.parse_args()
 
     path = write_random_llama(args.model_dir, LLAMA3_8B)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(path))
-    agree_prompts = make_prompts(tok, args.agree_prompts, 64, seed=1)
-    long_prompt = make_prompts(tok, 1, args.prompt_len, seed=2)[0]
-    batch_prompts = make_prompts(tok, args.requests, args.prompt_len, seed=3)
+    agree_prompts = make_prompts(args.agree_prompts, 64, seed=1)
+    long_prompt = make_prompts(1, args.prompt_len, seed=2)[0]
+    batch_prompts = make_prompts(args.requests, args.prompt_len, seed=3)
     layouts = {"tp1": {"tensor_parallel": 1}, "tp2": {"tensor_parallel": 2}, "2x-tp1": {"replica_num": 2}}
     results = {}
     for index, name in enumerate(args.layouts.split(",")):
