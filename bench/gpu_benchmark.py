@@ -257,14 +257,17 @@ def run_ours(path: Path, args: argparse.Namespace, hf: dict[str, float]) -> None
 
 
 def profile(loop: Any, rng: torch.Generator) -> None:
-    """torch.profiler over (a) batch-1 decode and (b) 256-wide decode with prefill: kernel time by
-    name, and GPU-busy time against wall time (the difference is host overhead between kernels)."""
+    """torch.profiler over (a) batch-1 decode and (b) 256-wide decode with prefill, at two output
+    lengths (their difference is decode alone): kernel time by name, and GPU-busy time against wall
+    time (the difference is host overhead between kernels)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     cases = {
         "profile_batch1_decode": ([512], [65]),
         "profile_batch256_512in_32out": ([512] * 256, [32] * 256),
+        # minus the case above: 64 decode-only steps at batch 256, context ~550-610
+        "profile_batch256_512in_96out": ([512] * 256, [96] * 256),
     }
     for name, (plens, olens) in cases.items():
         prompts = random_prompts(rng, plens)
