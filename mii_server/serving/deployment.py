@@ -157,6 +157,9 @@ class DeploymentConfig(BaseModel):
             raise ValueError(
                 f"device_map groups {bad} do not have tensor_parallel={self.model.tensor_parallel} GPUs"
             )
+        gpus = [gpu for group in self.gpu_groups for gpu in group]
+        if len(gpus) != len(set(gpus)):
+            raise ValueError(f"device_map groups {self.gpu_groups} share GPUs; each replica needs its own")
         return self
 
     def _all_ports(self) -> list[tuple[int, str]]:

@@ -79,3 +79,8 @@ def test_more_gpus_than_visible_is_an_error_at_serve(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     with pytest.raises(InvalidRequest, match="need 4 GPUs, but 2 are visible"):
         mii_server.serve(tensor_parallel=2, replica_num=2, deployment_name="too-many-gpus")
+
+
+def test_device_map_groups_must_be_disjoint() -> None:
+    with pytest.raises(InvalidRequest, match="share GPUs"):
+        mii_server.serve(tensor_parallel=2, replica_num=2, device_map=[[0, 1], [1, 2]], deployment_name="overlap")
