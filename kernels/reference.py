@@ -81,29 +81,69 @@ def paged_attention(
     q: [T, Hq, D]; k_cache, v_cache: [B, block_size, Hk, D] already holding this batch's keys and
     values (``kv_append`` runs first). Grouped-query attention: query head h reads KV head
     h // (Hq // Hk). Returns [T, Hq, D] in q's dtype.
+
+    Sequences with one new token (decode) are attended together in one batched product; sequences
+    with several (prefill chunks) one at a time.
     """
-    num_q_heads, head_dim = q.shape[1], q.shape[2]
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
     out = torch.empty_like(q)
     cu = meta.cu_q_lens.tolist()
     ctx = meta.context_lens.tolist()
+    decode = [s for s in range(len(ctx)) if cu[s + 1] - cu[s] == 1]
+    if decode:
+        rows = torch.tensor(decode, device=q.device)
+        tokens = meta.cu_q_lens.long()[rows]  # each decode sequence's one token
+        out[tokens] = _decode_attention(q[tokens], k_cache, v_cache, meta.block_table[rows], meta.context_lens[rows], scale)
     for s in range(len(ctx)):
-        start, end, context_len = cu[s], cu[s + 1], ctx[s]
-        if end == start:
-            continue
-        n_blocks = (context_len + block_size - 1) // block_size
-        blocks = meta.block_table[s, :n_blocks].long()
-        keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:context_len]  # [C, Hk, D]
-        values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:context_len]
-        keys = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, C, D]
-        values = values.float().repeat_interleave(group, dim=1).transpose(0, 1)
-        queries = q[start:end].float().transpose(0, 1)  # [Hq, L, D]
-        scores = torch.matmul(queries, keys.transpose(1, 2)) * scale  # [Hq, L, C]
-        q_positions = torch.arange(context_len - (end - start), context_len, device=q.device)
-        k_positions = torch.arange(context_len, device=q.device)
-        causal = k_positions[None, :] <= q_positions[:, None]  # [L, C]
-        scores = scores.masked_fill(~causal, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[start:end] = torch.matmul(probs, values).transpose(0, 1).to(q.dtype)
+        start, end = cu[s], cu[s + 1]
+        if end - start > 1:
+            out[start:end] = _chunk_attention(q[start:end], k_cache, v_cache, meta.block_table[s], ctx[s], scale)
     return out
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, group: int) -> torch.Tensor:
+    """The cache rows of ``blocks`` ([..., n]) as float32 [..., n * block_size, Hq, D] (KV heads
+    repeated for their query-head group)."""
+    rows = cache[blocks.long()]  # [..., n, block_size, Hk, D]
+    rows = rows.reshape(*blocks.shape[:-1], -1, *cache.shape[2:])
+    return rows.float().repeat_interleave(group, dim=-2)
+
+
+def _decode_attention(
+    q: torch.Tensor,  # [S, Hq, D]: one query per sequence, at position context_len - 1
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [S, max_blocks]
+    context_lens: torch.Tensor,  # [S]
+    scale: float,
+) -> torch.Tensor:
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    n_blocks = -(-int(context_lens.max()) // k_cache.shape[1])
+    blocks = block_table[:, :n_blocks].long()
+    keys = k_cache[blocks].reshape(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)  # [S, Hk, C, D]
+    values = v_cache[blocks].reshape(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    # A KV head's group of query heads act as that head's "query positions": [S, Hk, group, D]
+    queries = q.reshape(num_seqs, num_kv_heads, -1, head_dim)
+    visible = torch.arange(keys.shape[2], device=q.device)[None, :] < context_lens[:, None]  # [S, C]
+    out = F.scaled_dot_product_attention(
+        queries.float(), keys.float(), values.float(), attn_mask=visible[:, None, None, :], scale=scale
+    )  # [S, Hk, group, D]
+    return out.reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)
+
+
+def _chunk_attention(
+    q: torch.Tensor,  # [L, Hq, D]: the last L positions of a context of context_len tokens
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    blocks: torch.Tensor,  # [max_blocks]
+    context_len: int,
+    scale: float,
+) -> torch.Tensor:
+    group = q.shape[1] // k_cache.shape[2]
+    n_blocks = -(-context_len // k_cache.shape[1])
+    keys = _gather(k_cache, blocks[:n_blocks], group)[:context_len].transpose(0, 1)  # [Hq, C, D]
+    values = _gather(v_cache, blocks[:n_blocks], group)[:context_len].transpose(0, 1)
+    q_positions = torch.arange(context_len - q.shape[0], context_len, device=q.device)
+    causal = torch.arange(context_len, device=q.device)[None, :] <= q_positions[:, None]  # [L, C]
+    out = F.scaled_dot_product_attention(q.float().transpose(0, 1), keys, values, attn_mask=causal, scale=scale)
+    return out.transpose(0, 1).to(q.dtype)  # [L, Hq, D]
