@@ -63,8 +63,11 @@ def kv_append(
 ) -> None:
     """Write each token's key and value into its cache slot, in place.
 
-    k, v: [T, Hk, D]; k_cache, v_cache: [B, block_size, Hk, D]; slot_mapping: int64[T].
+    k, v: [T, Hk, D]; k_cache, v_cache: [B, block_size, Hk, D]; slot_mapping: int64[T]. A negative
+    slot (a padding token of a CUDA-graph batch) writes nothing.
     """
+    keep = slot_mapping >= 0
+    k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k.to(k_cache.dtype)
     v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v.to(v_cache.dtype)
 
