@@ -1,4 +1,4 @@
-"""``python -m mii_server.launch --role {supervisor,replica,load-balancer,rest-gateway} --config B64``.
+"""``python -m mii_server.launch --role ROLE --config B64`` (roles: ``launcher.ROLES``).
 
 ``--config`` is url-safe base64 of a ``LaunchSpec`` as JSON (never pickle, never a secret).
 """
@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from mii_server.serving import launcher, roles
+from mii_server.serving.log_format import setup_logging
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--role", required=True, choices=launcher.ROLES, help="which process to run")
     parser.add_argument("--config", required=True, help="url-safe base64 JSON LaunchSpec")
     args = parser.parse_args(argv)
-    roles.setup_logging(args.role)
+    setup_logging(args.role)
     spec = launcher.decode(args.config)
     return roles.RUNNERS[args.role](spec)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from typing import Any
 
@@ -18,9 +17,10 @@ from .errors import MIIServerError
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .serving import ports, registry
-    from .serving.api import claim_name
+    from .serving import registry
+    from .serving.api import prepare
     from .serving.deployment import DeploymentConfig
+    from .serving.log_format import setup_logging
     from .serving.supervisor import Supervisor
 
     kwargs: dict[str, Any] = {
@@ -54,11 +54,8 @@ def _serve(args: argparse.Namespace) -> int:
         kwargs["metrics_port"] = args.metrics_port
     if args.no_metrics:
         kwargs["enable_metrics"] = False
-    config = DeploymentConfig.from_kwargs(args.model, **kwargs)
-    config = config.model_copy(update={"registry_dir": str(registry.registry_dir(config.registry_dir))})
-    claim_name(config.deployment_name, config.registry_dir)
-    ports.ensure_deployment_ports_free(config.listen_addresses())
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    config = prepare(DeploymentConfig.from_kwargs(args.model, **kwargs))
+    setup_logging("supervisor")
     print(
         f"serving {config.model.model_name_or_path or 'the built-in demo model'} as {config.deployment_name}: "
         f"gRPC {config.lb_address}"

@@ -26,16 +26,8 @@ def serve(model_name_or_path: str = "", **kwargs: Any) -> Client:
     ``mii-server stop NAME``. A process that dies while starting raises ``DeploymentStartError``
     carrying the tail of its log.
     """
-    config = DeploymentConfig.from_kwargs(model_name_or_path, **kwargs)
-    # resolve the registry now, so that every process of the deployment agrees on it
-    config = config.model_copy(update={"registry_dir": str(registry.registry_dir(config.registry_dir))})
+    config = prepare(DeploymentConfig.from_kwargs(model_name_or_path, **kwargs))
     name, directory = config.deployment_name, config.registry_dir
-    try:  # more GPUs than visible is the caller's error, raised before anything starts
-        devices.replica_gpus(config.replica_num, config.model.tensor_parallel, config.gpu_groups, config.model.device)
-    except ValueError as err:
-        raise InvalidRequest(str(err)) from None
-    claim_name(name, directory)
-    ports.ensure_deployment_ports_free(config.listen_addresses())
     log_path = registry.log_dir(name, directory) / "supervisor.log"
     proc = launcher.spawn("supervisor", LaunchSpec(deployment=config), log_path, detach=True)
     deadline = time.monotonic() + config.startup_timeout_s + 60.0
@@ -62,6 +54,19 @@ def serve(model_name_or_path: str = "", **kwargs: Any) -> Client:
             launcher.stop_group(proc)
             raise DeploymentStartError(f"deployment {name} was not ready in time; see {log_path}")
         time.sleep(POLL_S)  # polling the record for a state change, bounded by the deadline
+
+
+def prepare(config: DeploymentConfig) -> DeploymentConfig:
+    """Check what can be checked before any process starts (GPUs, name, ports); returns the config
+    with its registry directory resolved, so every process of the deployment agrees on it."""
+    config = config.model_copy(update={"registry_dir": str(registry.registry_dir(config.registry_dir))})
+    try:  # more GPUs than visible is the caller's error
+        devices.replica_gpus(config.replica_num, config.model.tensor_parallel, config.gpu_groups, config.model.device)
+    except ValueError as err:
+        raise InvalidRequest(str(err)) from None
+    claim_name(config.deployment_name, config.registry_dir)
+    ports.ensure_deployment_ports_free(config.listen_addresses())
+    return config
 
 
 def claim_name(name: str, directory: str = "") -> None:

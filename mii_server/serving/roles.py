@@ -25,14 +25,6 @@ log = logging.getLogger(__name__)
 ENGINE_CHECK_S = 1.0  # how often a replica checks that its batching loop still runs
 
 
-def setup_logging(role: str) -> None:
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s {role}[%(process)d] %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-
-
 def _stop_on_signals(stop: threading.Event) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
