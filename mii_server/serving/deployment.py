@@ -99,6 +99,12 @@ class DeploymentConfig(BaseModel):
     startup_timeout_s: float = Field(
         default=900.0, gt=0, description="Seconds every process gets to load and answer health."
     )
+    replica_wait_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="Seconds a request waits for a replica to come back when every replica is down "
+        "(restarting) before it fails with ReplicaUnavailable; 0 fails at once.",
+    )
     max_restarts: int = Field(
         default=10,
         ge=0,

@@ -11,11 +11,12 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import grpc
 
-from ..errors import MIIServerError
+from ..errors import MIIServerError, ReplicaUnavailable
 from ..wire import generation_pb2 as pb
 from ..wire import generation_pb2_grpc
 from . import grpc_common
@@ -55,8 +56,11 @@ class _CallSet:
 class LoadBalancer(generation_pb2_grpc.GenerationServicer):
     """Servicer of the load balancer process. ``stop_requested`` is set by Terminate."""
 
-    def __init__(self, replica_addresses: list[str]) -> None:
+    def __init__(self, replica_addresses: list[str], replica_wait_s: float = 0.0) -> None:
+        """``replica_wait_s``: how long a request whose every replica failed waits for one to come
+        back (a restart) before it fails with ReplicaUnavailable; 0 fails at once."""
         self.addresses = list(replica_addresses)
+        self.replica_wait_s = replica_wait_s
         self.router = RoundRobinRouter(len(self.addresses))
         self._channels = [grpc_common.channel(a) for a in self.addresses]
         self._stubs = [generation_pb2_grpc.GenerationStub(ch) for ch in self._channels]
@@ -79,6 +83,20 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
         for ch in self._channels:
             ch.close()
 
+    def _assign(self, count: int, failed: set[int], context: grpc.ServicerContext) -> list[int]:
+        """``router.assign``; when every replica has failed this request, wait for the health monitor
+        to see one come back (a restarted replica) and try them all again, up to ``replica_wait_s``."""
+        deadline = time.monotonic() + self.replica_wait_s
+        while True:
+            try:
+                return self.router.assign(count, exclude=failed)
+            except ReplicaUnavailable:
+                left = deadline - time.monotonic()
+                if left <= 0 or not context.is_active() or not self.router.wait_any_up(left):
+                    raise
+                log.info("a replica is back; retrying a request that found every replica down")
+                failed.clear()
+
     # ---- RPCs -------------------------------------------------------------------------------
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.GenerateReply:
         log.debug("request_id=%s Generate prompts=%d", request.request_id or "-", len(request.prompts))
@@ -89,7 +107,7 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
         failed: set[int] = set()
         while pending:
             try:
-                groups = group_by_replica(pending, self.router.assign(len(pending), exclude=failed))
+                groups = group_by_replica(pending, self._assign(len(pending), failed, context))
             except MIIServerError as exc:  # ReplicaUnavailable: every replica failed
                 abort_rpc(context, exc)
             sent = {}
@@ -132,7 +150,7 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
         active = 0
 
         def start(indices: list[int]) -> int:
-            groups = group_by_replica(indices, self.router.assign(len(indices), exclude=failed))
+            groups = group_by_replica(indices, self._assign(len(indices), failed, context))
             for replica, idx in groups.items():
                 threading.Thread(
                     target=self._pump, args=(replica, idx, request, calls, events), daemon=True
@@ -211,7 +229,7 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
         failed: set[int] = set()
         while True:
             try:
-                (replica,) = self.router.assign(1, exclude=failed)
+                (replica,) = self._assign(1, failed, context)
             except MIIServerError as exc:
                 abort_rpc(context, exc)
             try:

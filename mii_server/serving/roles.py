@@ -85,7 +85,7 @@ def run_load_balancer(spec: LaunchSpec) -> int:
 
     _check_parent()
     cfg = spec.deployment
-    balancer = LoadBalancer(cfg.replica_addresses)
+    balancer = LoadBalancer(cfg.replica_addresses, replica_wait_s=cfg.replica_wait_s)
     _stop_on_signals(balancer.stop_requested)
     server, health = grpc_common.start_server(balancer, cfg.host, cfg.port_number, max_workers=256)
     def on_change(any_up: bool, all_up: bool) -> None:

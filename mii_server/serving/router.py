@@ -19,6 +19,7 @@ class RoundRobinRouter:
         if num_replicas < 1:
             raise ValueError("a router needs at least one replica")
         self._lock = threading.Lock()
+        self._came_up = threading.Condition(self._lock)  # notified when a replica is marked up
         self._next = 0  # counter over all prompts ever routed
         self._up = [True] * num_replicas
         self._routed = [0] * num_replicas  # prompts sent to each replica slot
@@ -30,6 +31,13 @@ class RoundRobinRouter:
     def mark(self, replica: int, up: bool) -> None:
         with self._lock:
             self._up[replica] = up
+            if up:
+                self._came_up.notify_all()
+
+    def wait_any_up(self, timeout: float) -> bool:
+        """Block until some replica is marked up (True) or ``timeout`` seconds pass (False)."""
+        with self._lock:
+            return self._came_up.wait_for(lambda: any(self._up), timeout=max(0.0, timeout))
 
     def is_up(self, replica: int) -> bool:
         with self._lock:

@@ -144,3 +144,32 @@ def test_many_threads_share_one_client(cluster) -> None:
         th.join()
     assert results == {t: [f"t{t}-{i}" for i in range(5)] for t in range(4)}
     assert len(fakes[0].prompts) == len(fakes[1].prompts) == 10
+
+
+def test_a_request_waits_for_a_restarting_replica() -> None:
+    base = free_port_block(2)
+    fake, server = start_fake("r0", base + 1)
+    balancer = LoadBalancer([f"127.0.0.1:{base + 1}"], replica_wait_s=60.0)
+    front, health = grpc_common.start_server(balancer, "127.0.0.1", base, max_workers=8)
+    grpc_common.set_serving(health, True)
+    client = Client(f"127.0.0.1:{base}")
+    try:
+        server.stop(0).wait()  # the only replica dies
+        result: dict[str, object] = {}
+        waiting = threading.Thread(target=lambda: result.update(out=client.generate(["back?"])))
+        waiting.start()
+        wait_for(lambda: not balancer.router.is_up(0), 30, "the request to find the replica down")
+        fake, server = start_fake("r0", base + 1)  # the supervisor restarted it
+
+        def monitor_sees_it() -> bool:  # what the health monitor does every half second
+            balancer.probe_replicas()
+            return balancer.router.is_up(0)
+
+        wait_for(monitor_sees_it, 30, "the restarted replica to answer health")
+        waiting.join(timeout=60)
+        assert [r.generated_text for r in result["out"]] == ["back?@r0"]
+    finally:
+        client.close()
+        front.stop(0)
+        server.stop(0)
+        balancer.close()
