@@ -148,7 +148,7 @@ def test_many_threads_share_one_client(cluster) -> None:
 
 def test_a_request_waits_for_a_restarting_replica() -> None:
     base = free_port_block(2)
-    fake, server = start_fake("r0", base + 1)
+    _, server = start_fake("r0", base + 1)
     balancer = LoadBalancer([f"127.0.0.1:{base + 1}"], replica_wait_s=60.0)
     front, health = grpc_common.start_server(balancer, "127.0.0.1", base, max_workers=8)
     grpc_common.set_serving(health, True)
@@ -159,7 +159,7 @@ def test_a_request_waits_for_a_restarting_replica() -> None:
         waiting = threading.Thread(target=lambda: result.update(out=client.generate(["back?"])))
         waiting.start()
         wait_for(lambda: not balancer.router.is_up(0), 30, "the request to find the replica down")
-        fake, server = start_fake("r0", base + 1)  # the supervisor restarted it
+        _, server = start_fake("r0", base + 1)  # the supervisor restarted it
 
         def monitor_sees_it() -> bool:  # what the health monitor does every half second
             balancer.probe_replicas()
