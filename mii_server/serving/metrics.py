@@ -41,73 +41,17 @@ PREFIX = "mii_server:"
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
 TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-)
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
 TPOT_BUCKETS = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+    0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
 E2E_BUCKETS = (
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-    7680.0,
-)
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
+    20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
@@ -188,41 +132,17 @@ class ReplicaMetrics:
             ["replica", "reason"],
             registry=r,
         )
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds",
-            "Submit to first generated token.",
-            ["replica"],
-            buckets=TTFT_BUCKETS,
-            registry=r,
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, ["replica"], buckets=buckets, registry=r)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Submit to first generated token.", TTFT_BUCKETS)
+        self.tpot = histogram(
+            "time_per_output_token_seconds", "Mean time per output token after the first, per request.", TPOT_BUCKETS
         )
-        self.tpot = Histogram(
-            PREFIX + "time_per_output_token_seconds",
-            "Mean time per output token after the first, per request.",
-            ["replica"],
-            buckets=TPOT_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
-            "Submit to last token.",
-            ["replica"],
-            buckets=E2E_BUCKETS,
-            registry=r,
-        )
-        self.prompt_len = Histogram(
-            PREFIX + "request_prompt_tokens",
-            "Prompt tokens per request.",
-            ["replica"],
-            buckets=TOKEN_BUCKETS,
-            registry=r,
-        )
-        self.gen_len = Histogram(
-            PREFIX + "request_generation_tokens",
-            "Generated tokens per request.",
-            ["replica"],
-            buckets=TOKEN_BUCKETS,
-            registry=r,
-        )
+        self.e2e = histogram("e2e_request_latency_seconds", "Submit to last token.", E2E_BUCKETS)
+        self.prompt_len = histogram("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
+        self.gen_len = histogram("request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS)
 
     def start(self) -> _Timing:
         return _Timing(submitted=time.monotonic())
