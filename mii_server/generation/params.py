@@ -18,7 +18,9 @@ MAX_STOP_STRINGS = 16
 class GenerateParams(BaseModel):
     """What one request asks of generation. Field names are MII's, plus ``seed`` and ``stop_token_ids``."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: "yes" is not a bool and "5" not an int (a wrong type is a 400, not a guess); ints
+    # still pass for floats
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     max_new_tokens: int | None = Field(
         default=None, ge=1, description="Most tokens to generate; None means up to max_length."
@@ -63,6 +65,8 @@ class GenerateParams(BaseModel):
             return []
         if isinstance(value, str):
             return [value]
+        if isinstance(value, tuple):
+            return list(value)
         return value
 
     @field_validator("stop")

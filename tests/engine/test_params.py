@@ -152,3 +152,17 @@ def test_destroy_then_call_raises_engine_dead(tiny_checkpoints: dict[str, Path])
     with pytest.raises(EngineDead):
         _ = doomed.tokenizer
     doomed.destroy()  # a second destroy is harmless
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"do_sample": "yes"}, {"ignore_eos": 1}, {"max_new_tokens": "5"}, {"max_new_tokens": 5.0}, {"seed": "7"}],
+)
+def test_wrong_types_are_refused_not_coerced(kwargs: dict) -> None:
+    with pytest.raises(InvalidRequest):
+        GenerateParams.from_kwargs(**kwargs)
+
+
+def test_ints_pass_for_floats_and_tuples_for_lists() -> None:
+    params = GenerateParams.from_kwargs(temperature=1, top_p=1, stop=("a", "b"))
+    assert (params.temperature, params.top_p, params.stop) == (1.0, 1.0, ["a", "b"])
