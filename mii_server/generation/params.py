@@ -54,6 +54,11 @@ class GenerateParams(BaseModel):
     )
     ignore_eos: bool = Field(default=False, description="Keep generating past EOS; only lengths stop.")
     return_full_text: bool = Field(default=False, description="Prefix the returned text with the prompt.")
+    truncate_max_new_tokens: bool = Field(
+        default=True,
+        description="When max_new_tokens does not fit under max_length after the prompt: True generates "
+        "fewer tokens (MII's behaviour), False refuses the request (the OpenAI API's).",
+    )
     seed: int | None = Field(
         default=None, ge=0, lt=2**63, description="Seeds this request's sampler: the same seed repeats."
     )
@@ -122,6 +127,12 @@ class GenerateParams(BaseModel):
             )
         budget = max_length - prompt_length
         if self.max_new_tokens is not None:
+            if self.max_new_tokens > budget and not self.truncate_max_new_tokens:
+                raise InvalidRequest(
+                    f"this model's maximum context length is {max_length} tokens, but {prompt_length + self.max_new_tokens} "
+                    f"were requested ({prompt_length} in the prompt, {self.max_new_tokens} to generate); "
+                    "shorten the prompt or lower the number of tokens to generate"
+                )
             budget = min(budget, self.max_new_tokens)
         return budget
 

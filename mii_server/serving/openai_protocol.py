@@ -235,6 +235,7 @@ def parse(body: Any, *, chat: bool, served_model: str) -> Plan:
         if max_tokens < 1:
             raise bad_request(f"'{max_name}' must be at least 1, not {max_tokens}", param=max_name)
         kwargs["max_new_tokens"] = max_tokens
+        kwargs["truncate_max_new_tokens"] = False  # as OpenAI and vLLM: a request past the context is a 400
 
     temperature = _number(body, "temperature", 0.0, 2.0)
     temperature = 1.0 if temperature is None else temperature

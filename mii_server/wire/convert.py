@@ -16,6 +16,7 @@ from . import generation_pb2 as pb
 
 # GenerateParams fields that travel as proto3 `optional` scalars (absent = server default).
 _SCALAR_PARAMS = (
+    "truncate_max_new_tokens",
     "max_new_tokens",
     "max_length",
     "min_new_tokens",

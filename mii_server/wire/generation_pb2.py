@@ -24,39 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n mii_server/wire/generation.proto\x12\x0fmii_server.wire\"\xc4\x03\n\x10GenerationParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x17\n\nmax_length\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x1b\n\x0emin_new_tokens\x18\x03 \x01(\x03H\x02\x88\x01\x01\x12\x16\n\tdo_sample\x18\x04 \x01(\x08H\x03\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x03\x12\x17\n\nignore_eos\x18\n \x01(\x08H\x07\x88\x01\x01\x12\x1d\n\x10return_full_text\x18\x0b \x01(\x08H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\x0c \x01(\x04H\t\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\r\n\x0b_max_lengthB\x11\n\x0f_min_new_tokensB\x0c\n\n_do_sampleB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\r\n\x0b_ignore_eosB\x13\n\x11_return_full_textB\x07\n\x05_seed\"i\n\x0fGenerateRequest\x12\x0f\n\x07prompts\x18\x01 \x03(\t\x12\x31\n\x06params\x18\x02 \x01(\x0b\x32!.mii_server.wire.GenerationParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\xb4\x01\n\nCompletion\x12\x14\n\x0cprompt_index\x18\x01 \x01(\r\x12\x16\n\x0egenerated_text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x15\n\rprompt_length\x18\x04 \x01(\r\x12\x18\n\x10generated_length\x18\x05 \x01(\r\x12\x34\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1d.mii_server.wire.FinishReason\"A\n\rGenerateReply\x12\x30\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x1b.mii_server.wire.Completion\"\x12\n\x10TerminateRequest\"\x10\n\x0eTerminateReply\"\x0e\n\x0cStatsRequest\"\xb4\x02\n\x0cReplicaStats\x12\x15\n\rreplica_index\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x18\n\x10prompts_received\x18\x05 \x01(\x04\x12\x16\n\x0eprompts_routed\x18\x06 \x01(\x04\x12\x0f\n\x07running\x18\x07 \x01(\r\x12\x0f\n\x07waiting\x18\x08 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\t \x01(\r\x12\x14\n\x0ctotal_blocks\x18\n \x01(\r\x12\x19\n\x11requests_finished\x18\x0b \x01(\x04\x12\x15\n\rprompt_tokens\x18\x0c \x01(\x04\x12\x18\n\x10generated_tokens\x18\r \x01(\x04\x12\x13\n\x0bpreemptions\x18\x0e \x01(\x04\"=\n\nStatsReply\x12/\n\x08replicas\x18\x01 \x03(\x0b\x32\x1d.mii_server.wire.ReplicaStats\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"x\n\x13\x43hatTemplateRequest\x12.\n\x08messages\x18\x01 \x03(\x0b\x32\x1c.mii_server.wire.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"#\n\x11\x43hatTemplateReply\x12\x0e\n\x06prompt\x18\x01 \x01(\t*\x90\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_NONE\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x32\xa2\x03\n\nGeneration\x12L\n\x08Generate\x12 .mii_server.wire.GenerateRequest\x1a\x1e.mii_server.wire.GenerateReply\x12Q\n\x0eGenerateStream\x12 .mii_server.wire.GenerateRequest\x1a\x1b.mii_server.wire.Completion0\x01\x12O\n\tTerminate\x12!.mii_server.wire.TerminateRequest\x1a\x1f.mii_server.wire.TerminateReply\x12\x43\n\x05Stats\x12\x1d.mii_server.wire.StatsRequest\x1a\x1b.mii_server.wire.StatsReply\x12]\n\x11\x41pplyChatTemplate\x12$.mii_server.wire.ChatTemplateRequest\x1a\".mii_server.wire.ChatTemplateReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n mii_server/wire/generation.proto\x12\x0fmii_server.wire\"\x86\x04\n\x10GenerationParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x17\n\nmax_length\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x1b\n\x0emin_new_tokens\x18\x03 \x01(\x03H\x02\x88\x01\x01\x12\x16\n\tdo_sample\x18\x04 \x01(\x08H\x03\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x03\x12\x17\n\nignore_eos\x18\n \x01(\x08H\x07\x88\x01\x01\x12\x1d\n\x10return_full_text\x18\x0b \x01(\x08H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\x0c \x01(\x04H\t\x88\x01\x01\x12$\n\x17truncate_max_new_tokens\x18\r \x01(\x08H\n\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\r\n\x0b_max_lengthB\x11\n\x0f_min_new_tokensB\x0c\n\n_do_sampleB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\r\n\x0b_ignore_eosB\x13\n\x11_return_full_textB\x07\n\x05_seedB\x1a\n\x18_truncate_max_new_tokens\"i\n\x0fGenerateRequest\x12\x0f\n\x07prompts\x18\x01 \x03(\t\x12\x31\n\x06params\x18\x02 \x01(\x0b\x32!.mii_server.wire.GenerationParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\xb4\x01\n\nCompletion\x12\x14\n\x0cprompt_index\x18\x01 \x01(\r\x12\x16\n\x0egenerated_text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x15\n\rprompt_length\x18\x04 \x01(\r\x12\x18\n\x10generated_length\x18\x05 \x01(\r\x12\x34\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1d.mii_server.wire.FinishReason\"A\n\rGenerateReply\x12\x30\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x1b.mii_server.wire.Completion\"\x12\n\x10TerminateRequest\"\x10\n\x0eTerminateReply\"\x0e\n\x0cStatsRequest\"\xb4\x02\n\x0cReplicaStats\x12\x15\n\rreplica_index\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x18\n\x10prompts_received\x18\x05 \x01(\x04\x12\x16\n\x0eprompts_routed\x18\x06 \x01(\x04\x12\x0f\n\x07running\x18\x07 \x01(\r\x12\x0f\n\x07waiting\x18\x08 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\t \x01(\r\x12\x14\n\x0ctotal_blocks\x18\n \x01(\r\x12\x19\n\x11requests_finished\x18\x0b \x01(\x04\x12\x15\n\rprompt_tokens\x18\x0c \x01(\x04\x12\x18\n\x10generated_tokens\x18\r \x01(\x04\x12\x13\n\x0bpreemptions\x18\x0e \x01(\x04\"=\n\nStatsReply\x12/\n\x08replicas\x18\x01 \x03(\x0b\x32\x1d.mii_server.wire.ReplicaStats\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"x\n\x13\x43hatTemplateRequest\x12.\n\x08messages\x18\x01 \x03(\x0b\x32\x1c.mii_server.wire.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"#\n\x11\x43hatTemplateReply\x12\x0e\n\x06prompt\x18\x01 \x01(\t*\x90\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_NONE\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x32\xa2\x03\n\nGeneration\x12L\n\x08Generate\x12 .mii_server.wire.GenerateRequest\x1a\x1e.mii_server.wire.GenerateReply\x12Q\n\x0eGenerateStream\x12 .mii_server.wire.GenerateRequest\x1a\x1b.mii_server.wire.Completion0\x01\x12O\n\tTerminate\x12!.mii_server.wire.TerminateRequest\x1a\x1f.mii_server.wire.TerminateReply\x12\x43\n\x05Stats\x12\x1d.mii_server.wire.StatsRequest\x1a\x1b.mii_server.wire.StatsReply\x12]\n\x11\x41pplyChatTemplate\x12$.mii_server.wire.ChatTemplateRequest\x1a\".mii_server.wire.ChatTemplateReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mii_server.wire.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1499
-  _globals['_FINISHREASON']._serialized_end=1643
+  _globals['_FINISHREASON']._serialized_start=1565
+  _globals['_FINISHREASON']._serialized_end=1709
   _globals['_GENERATIONPARAMS']._serialized_start=54
-  _globals['_GENERATIONPARAMS']._serialized_end=506
-  _globals['_GENERATEREQUEST']._serialized_start=508
-  _globals['_GENERATEREQUEST']._serialized_end=613
-  _globals['_COMPLETION']._serialized_start=616
-  _globals['_COMPLETION']._serialized_end=796
-  _globals['_GENERATEREPLY']._serialized_start=798
-  _globals['_GENERATEREPLY']._serialized_end=863
-  _globals['_TERMINATEREQUEST']._serialized_start=865
-  _globals['_TERMINATEREQUEST']._serialized_end=883
-  _globals['_TERMINATEREPLY']._serialized_start=885
-  _globals['_TERMINATEREPLY']._serialized_end=901
-  _globals['_STATSREQUEST']._serialized_start=903
-  _globals['_STATSREQUEST']._serialized_end=917
-  _globals['_REPLICASTATS']._serialized_start=920
-  _globals['_REPLICASTATS']._serialized_end=1228
-  _globals['_STATSREPLY']._serialized_start=1230
-  _globals['_STATSREPLY']._serialized_end=1291
-  _globals['_CHATMESSAGE']._serialized_start=1293
-  _globals['_CHATMESSAGE']._serialized_end=1337
-  _globals['_CHATTEMPLATEREQUEST']._serialized_start=1339
-  _globals['_CHATTEMPLATEREQUEST']._serialized_end=1459
-  _globals['_CHATTEMPLATEREPLY']._serialized_start=1461
-  _globals['_CHATTEMPLATEREPLY']._serialized_end=1496
-  _globals['_GENERATION']._serialized_start=1646
-  _globals['_GENERATION']._serialized_end=2064
+  _globals['_GENERATIONPARAMS']._serialized_end=572
+  _globals['_GENERATEREQUEST']._serialized_start=574
+  _globals['_GENERATEREQUEST']._serialized_end=679
+  _globals['_COMPLETION']._serialized_start=682
+  _globals['_COMPLETION']._serialized_end=862
+  _globals['_GENERATEREPLY']._serialized_start=864
+  _globals['_GENERATEREPLY']._serialized_end=929
+  _globals['_TERMINATEREQUEST']._serialized_start=931
+  _globals['_TERMINATEREQUEST']._serialized_end=949
+  _globals['_TERMINATEREPLY']._serialized_start=951
+  _globals['_TERMINATEREPLY']._serialized_end=967
+  _globals['_STATSREQUEST']._serialized_start=969
+  _globals['_STATSREQUEST']._serialized_end=983
+  _globals['_REPLICASTATS']._serialized_start=986
+  _globals['_REPLICASTATS']._serialized_end=1294
+  _globals['_STATSREPLY']._serialized_start=1296
+  _globals['_STATSREPLY']._serialized_end=1357
+  _globals['_CHATMESSAGE']._serialized_start=1359
+  _globals['_CHATMESSAGE']._serialized_end=1403
+  _globals['_CHATTEMPLATEREQUEST']._serialized_start=1405
+  _globals['_CHATTEMPLATEREQUEST']._serialized_end=1525
+  _globals['_CHATTEMPLATEREPLY']._serialized_start=1527
+  _globals['_CHATTEMPLATEREPLY']._serialized_end=1562
+  _globals['_GENERATION']._serialized_start=1712
+  _globals['_GENERATION']._serialized_end=2130
 # @@protoc_insertion_point(module_scope)

@@ -166,3 +166,11 @@ def test_wrong_types_are_refused_not_coerced(kwargs: dict) -> None:
 def test_ints_pass_for_floats_and_tuples_for_lists() -> None:
     params = GenerateParams.from_kwargs(temperature=1, top_p=1, stop=("a", "b"))
     assert (params.temperature, params.top_p, params.stop) == (1.0, 1.0, ["a", "b"])
+
+
+def test_max_new_tokens_past_the_context_is_cut_or_refused() -> None:
+    assert GenerateParams.from_kwargs(max_new_tokens=100).limits_for(30, 64, 64) == 34  # MII: cut
+    strict = GenerateParams.from_kwargs(max_new_tokens=100, truncate_max_new_tokens=False)
+    with pytest.raises(InvalidRequest, match="maximum context length is 64 tokens, but 130 were requested"):
+        strict.limits_for(30, 64, 64)
+    assert strict.limits_for(30, 200, 200) == 100

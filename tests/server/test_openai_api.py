@@ -142,6 +142,8 @@ def test_errors_have_openai_shape(deployment: Deployment) -> None:
         api.completions.create(model=MODEL, prompt=too_long, max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="max_length"):  # before any byte of the stream
         api.completions.create(model=MODEL, prompt=too_long, max_tokens=2, stream=True)
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 2048"):  # prompt fits, output not
+        api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4000)
     bad_json = requests.post(
         deployment.base_url + "/v1/chat/completions",
         data=b"{not json",
