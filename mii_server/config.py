@@ -58,7 +58,8 @@ class ModelConfig(BaseModel):
     tokenizer: str | None = Field(default=None, description="Tokenizer path or id; None means the model's.")
     dtype: DType = Field(
         default="auto",
-        description="Weight and activation dtype; auto is bfloat16 on CUDA and float32 on the CPU.",
+        description="Weight and activation dtype; auto is float32 on the CPU and, on a GPU, the checkpoint's "
+        "float16 or bfloat16 (bfloat16 when it names neither).",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         default="auto", description="Where the engine runs; auto picks CUDA when available."

@@ -76,9 +76,15 @@ class LoadedModel:
 
 
 def pick_dtype(name: str, device: torch.device, hf_config: Any) -> torch.dtype:
-    if name == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    return getattr(torch, name)
+    """``auto``: float32 on the CPU; on a GPU the checkpoint's own half precision (its config's
+    ``dtype``/``torch_dtype``), bfloat16 when it names none or float32."""
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cpu":
+        return torch.float32
+    saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    saved = getattr(torch, saved) if isinstance(saved, str) else saved
+    return saved if saved in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
 def load_model(
