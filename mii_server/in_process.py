@@ -30,15 +30,7 @@ def merge_updates(updates: list[RequestUpdate]) -> Response:
     for update in updates:
         if update.error is not None:
             raise update.error
-    chunks = [u.response for u in updates if u.response is not None]
-    last = chunks[-1]
-    return Response(
-        generated_text="".join(c.generated_text for c in chunks),
-        prompt_length=last.prompt_length,
-        generated_length=last.generated_length,
-        finish_reason=last.finish_reason,
-        token_ids=[t for c in chunks for t in c.token_ids],
-    )
+    return Response.join([u.response for u in updates if u.response is not None])
 
 
 class Pipeline:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
@@ -37,3 +38,15 @@ class Response:
     @classmethod
     def from_msg_dict(cls, d: dict[str, Any]) -> Response:
         return cls(**{**d, "finish_reason": FinishReason(d["finish_reason"])})
+
+    @classmethod
+    def join(cls, chunks: Sequence[Response]) -> Response:
+        """One prompt's streamed deltas, in order, folded into its whole Response."""
+        last = chunks[-1]
+        return cls(
+            generated_text="".join(c.generated_text for c in chunks),
+            prompt_length=last.prompt_length,
+            generated_length=last.generated_length,
+            finish_reason=last.finish_reason,
+            token_ids=[t for c in chunks for t in c.token_ids],
+        )

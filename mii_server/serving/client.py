@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -65,12 +65,25 @@ class Client:
 
     # ---- sync -------------------------------------------------------------------------------
     def generate(
-        self, prompts: str | list[str], *, request_id: str = "", **generate_kwargs: Any
+        self,
+        prompts: str | list[str],
+        *,
+        streaming_fn: Callable[[list[Response]], None] | None = None,
+        request_id: str = "",
+        **generate_kwargs: Any,
     ) -> list[Response]:
         """One ``Response`` per prompt, in order, once all are finished.
 
+        ``streaming_fn`` (MII's callback streaming): called with ``[chunk]`` for every ``StreamChunk``
+        as it arrives (any number of prompts, unlike MII); the whole responses are still returned.
         ``request_id`` (optional) names the request in every process's logs.
         """
+        if streaming_fn is not None:
+            chunks: dict[int, list[Response]] = {}
+            for chunk in self.generate_stream(prompts, request_id=request_id, **generate_kwargs):
+                streaming_fn([chunk])
+                chunks.setdefault(chunk.prompt_index, []).append(chunk)
+            return [Response.join(chunks[i]) for i in sorted(chunks)]
         prompt_list, request = self._request(prompts, generate_kwargs, request_id)
         if not prompt_list:
             return []

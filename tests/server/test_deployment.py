@@ -130,6 +130,17 @@ def test_streaming_several_prompts_through_the_load_balancer(deployment, expecte
         assert counts[k] > 1  # token by token, not one blob
 
 
+def test_mii_streaming_fn_callback(deployment, expected) -> None:
+    chosen = [3, 9]
+    seen: list[list[Response]] = []
+    out = deployment.client.generate([PROMPTS[i] for i in chosen], streaming_fn=seen.append, **GREEDY)
+    for k, i in enumerate(chosen):
+        _same(out[k], expected[i])
+        mine = [batch[0] for batch in seen if batch[0].prompt_index == k]
+        assert "".join(c.generated_text for c in mine) == expected[i].generated_text
+    assert all(len(batch) == 1 for batch in seen) and len(seen) > len(chosen)  # chunk by chunk
+
+
 def test_async_twins(deployment, expected) -> None:
     async def main() -> tuple[list[Response], dict[int, str]]:
         plain = await deployment.client.agenerate(PROMPTS[:3], **GREEDY)
