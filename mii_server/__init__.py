@@ -18,11 +18,11 @@ if TYPE_CHECKING:
 __all__ = ["FinishReason", "Response", "UnknownArgument", "pipeline"]
 
 
-def pipeline(model_name_or_path: str = "", **model_kwargs: Any) -> Pipeline:
+def pipeline(model_name_or_path: str = "", all_rank_output: bool = False, **model_kwargs: Any) -> Pipeline:
     """Load a model into this process; see ``mii_server.in_process.pipeline``."""
     from .in_process import pipeline as _pipeline
 
-    return _pipeline(model_name_or_path, **model_kwargs)
+    return _pipeline(model_name_or_path, all_rank_output=all_rank_output, **model_kwargs)
 
 
 # ---- deployments (mii_server.serving.api; imports no torch) -----------------------------------

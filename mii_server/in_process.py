@@ -36,10 +36,13 @@ def merge_updates(updates: list[RequestUpdate]) -> Response:
 class Pipeline:
     """Callable: ``pipe(prompts, **generate_kwargs) -> list[Response]`` in prompt order."""
 
-    def __init__(self, config: ModelConfig, runtime: Runtime, loop: GenerationLoop) -> None:
+    def __init__(
+        self, config: ModelConfig, runtime: Runtime, loop: GenerationLoop, all_rank_output: bool = False
+    ) -> None:
         self.config = config
         self.runtime: Runtime | None = runtime
         self.loop: GenerationLoop | None = loop
+        self.all_rank_output = all_rank_output  # tensor parallel: followers return the responses too
 
     @property
     def tokenizer(self) -> Any:
@@ -52,6 +55,17 @@ class Pipeline:
 
     def __call__(self, prompts: str | list[str], **generate_kwargs: Any) -> list[Response]:
         loop = self._live_loop()
+        responses: list[Response] | None = None
+        try:
+            responses = self._generate(loop, prompts, generate_kwargs)
+            return responses
+        finally:  # even when a prompt is refused: the followers must not wait for a step forever
+            if isinstance(loop.executor, BroadcastExecutor):
+                share = self.all_rank_output and responses is not None
+                loop.executor.release_followers([r.to_msg_dict() for r in responses] if share else None)
+
+    @staticmethod
+    def _generate(loop: GenerationLoop, prompts: str | list[str], generate_kwargs: dict[str, Any]) -> list[Response]:
         params = GenerateParams.from_kwargs(**generate_kwargs)
         prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
         updates: dict[int, list[RequestUpdate]] = {}
@@ -64,8 +78,6 @@ class Pipeline:
             loop.step()
         while loop.has_work():  # free the finished sequences' blocks
             loop.step()
-        if isinstance(loop.executor, BroadcastExecutor):
-            loop.executor.release_followers()
         return [merge_updates(updates[req.uid]) for req in requests]
 
     def destroy(self) -> None:
@@ -91,8 +103,8 @@ class FollowerPipeline:
         if self.runtime is None:
             raise EngineDead("this pipeline was destroyed")
         GenerateParams.from_kwargs(**generate_kwargs)  # the same errors as rank 0, on every rank
-        follow(self.runtime.engine, self.subscriber)
-        return []
+        end = follow(self.runtime.engine, self.subscriber)
+        return [] if end.responses is None else [Response.from_msg_dict(d) for d in end.responses]
 
     def destroy(self) -> None:
         self.subscriber.close()
@@ -100,11 +112,14 @@ class FollowerPipeline:
         tp_shutdown()
 
 
-def pipeline(model_name_or_path: str = "", **model_kwargs: Any) -> Pipeline | FollowerPipeline:
+def pipeline(
+    model_name_or_path: str = "", all_rank_output: bool = False, **model_kwargs: Any
+) -> Pipeline | FollowerPipeline:
     """Load ``model_name_or_path`` (empty: the built-in demo model) into this process.
 
     With ``tensor_parallel=T > 1`` the script must run as T processes (``torchrun --nproc-per-node T
-    script.py``): every rank calls the pipeline alike; rank 0 returns the responses, the others [].
+    script.py``): every rank calls the pipeline alike; rank 0 returns the responses, the others []
+    (or the same responses, with ``all_rank_output=True``, as in MII).
     """
     config = ModelConfig.from_kwargs(model_name_or_path, **model_kwargs)
     if config.tensor_parallel == 1:
@@ -129,7 +144,8 @@ def pipeline(model_name_or_path: str = "", **model_kwargs: Any) -> Pipeline | Fo
     started = start_rank(config, placement)
     if started.subscriber is not None:
         return FollowerPipeline(started.runtime, started.subscriber)
-    return Pipeline(config, started.runtime, build_loop(config, started.runtime, started.executor))
+    loop = build_loop(config, started.runtime, started.executor)
+    return Pipeline(config, started.runtime, loop, all_rank_output=all_rank_output)
 
 
 __all__ = ["FinishReason", "Pipeline", "Response", "pipeline"]

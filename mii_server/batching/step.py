@@ -13,14 +13,22 @@ class Step:
     flush_uids: list[int] = field(default_factory=list)  # sequences whose KV blocks are freed first
     uids: list[int] = field(default_factory=list)  # sequences in the forward, in batch order
     tokens: list[list[int]] = field(default_factory=list)  # new tokens of each sequence
-    stop: bool = False  # followers leave their loop (the replica is shutting down)
+    stop: bool = False  # followers leave their loop (end of a pipeline call, or replica shutdown)
+    # with stop, for pipeline(all_rank_output=True): the call's responses as Response.to_msg_dict()s
+    responses: list[dict[str, Any]] | None = None
 
     def to_msg(self) -> dict[str, Any]:
-        return {"flush": self.flush_uids, "uids": self.uids, "tokens": self.tokens, "stop": self.stop}
+        msg = {"flush": self.flush_uids, "uids": self.uids, "tokens": self.tokens, "stop": self.stop}
+        if self.responses is not None:
+            msg["responses"] = self.responses
+        return msg
 
     @classmethod
     def from_msg(cls, msg: dict[str, Any]) -> Step:
-        return cls(flush_uids=msg["flush"], uids=msg["uids"], tokens=msg["tokens"], stop=msg["stop"])
+        return cls(
+            flush_uids=msg["flush"], uids=msg["uids"], tokens=msg["tokens"], stop=msg["stop"],
+            responses=msg.get("responses"),
+        )  # fmt: skip
 
     @property
     def num_tokens(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -33,19 +34,21 @@ class BroadcastExecutor:
     def idle(self) -> None:
         self.publisher.publish(Step())
 
-    def release_followers(self) -> None:
-        """Send the followers out of ``follow`` (end of a pipeline call, or shutdown)."""
-        self.publisher.publish(Step(stop=True))
+    def release_followers(self, responses: list[dict[str, Any]] | None = None) -> None:
+        """Send the followers out of ``follow`` (end of a pipeline call, or shutdown), with the
+        call's ``responses`` when every rank is to return them."""
+        self.publisher.publish(Step(stop=True, responses=responses))
 
     def close(self) -> None:
         self.release_followers()
         self.publisher.close()
 
 
-def follow(engine: InferenceEngine, subscriber: StepSubscriber, timeout_s: float = FOLLOWER_TIMEOUT_S) -> None:
-    """Run every Step rank 0 publishes until one says stop. Raises EngineDead when rank 0 goes silent."""
+def follow(engine: InferenceEngine, subscriber: StepSubscriber, timeout_s: float = FOLLOWER_TIMEOUT_S) -> Step:
+    """Run every Step rank 0 publishes until one says stop; returns that stop Step. Raises EngineDead
+    when rank 0 goes silent."""
     while True:
         step = subscriber.receive(timeout_s)
         if step.stop:
-            return
+            return step
         run_step(engine, step)

@@ -24,10 +24,15 @@ def free_port() -> int:
 
 
 @pytest.mark.parametrize(
-    ("variant", "ranks"),
-    [("llama", 2), ("llama3", 2), ("qwen2", 2), ("llama", 4)],  # llama at 4 ranks: 2 KV heads replicated
+    ("variant", "ranks", "all_ranks"),
+    [
+        ("llama", 2, False),
+        ("llama3", 2, False),
+        ("qwen2", 2, True),  # all_rank_output: every rank returns the responses
+        ("llama", 4, False),  # 4 ranks: the 2 KV heads are replicated
+    ],
 )
-def test_tp_equals_tp1(variant: str, ranks: int, tiny_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+def test_tp_equals_tp1(variant: str, ranks: int, all_ranks: bool, tiny_checkpoints: dict[str, Path], tmp_path: Path) -> None:
     path = tiny_checkpoints[variant]
     out = tmp_path / "tp.json"
     env = {**os.environ, "MII_SERVER_ZMQ_PORT": str(free_port()), "MII_SERVER_PROGRESS": "0"}
@@ -35,17 +40,21 @@ def test_tp_equals_tp1(variant: str, ranks: int, tiny_checkpoints: dict[str, Pat
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
         str(Path(__file__).with_name("tp_script.py")), str(path), str(out), json.dumps(PROMPTS),
+        "all" if all_ranks else "rank0",
     ]  # fmt: skip
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
-    sharded = json.loads(out.read_text())
+    written = sorted(tmp_path.glob("tp.json.*"))
+    assert [p.suffix for p in written] == ([f".{r}" for r in range(ranks)] if all_ranks else [".0"])
 
     pipe = mii_server.pipeline(str(path))
     first = pipe(PROMPTS, max_new_tokens=16, do_sample=False, ignore_eos=True)
     second = pipe(PROMPTS[:1], max_new_tokens=4, do_sample=False, ignore_eos=True)
     pipe.destroy()
-    assert sharded["first"] == [r.token_ids for r in first]
-    assert sharded["second"] == [r.token_ids for r in second]
+    for file in written:
+        sharded = json.loads(file.read_text())
+        assert sharded["first"] == [r.token_ids for r in first]
+        assert sharded["second"] == [r.token_ids for r in second]
 
 
 def test_tp_without_launcher_is_a_clear_error(tiny_checkpoints: dict[str, Path], monkeypatch) -> None:

@@ -5,15 +5,23 @@ import os
 import sys
 
 import mii_server
+from mii_server.errors import InvalidRequest
 
-path, out, prompts_json = sys.argv[1], sys.argv[2], sys.argv[3]
+path, out, prompts_json, all_ranks = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "all"
 prompts = json.loads(prompts_json)
-pipe = mii_server.pipeline(path, tensor_parallel=int(os.environ["WORLD_SIZE"]))
+rank = int(os.environ["RANK"])
+pipe = mii_server.pipeline(path, tensor_parallel=int(os.environ["WORLD_SIZE"]), all_rank_output=all_ranks)
 first = pipe(prompts, max_new_tokens=16, do_sample=False, ignore_eos=True)
-second = pipe(prompts[:1], max_new_tokens=4, do_sample=False, ignore_eos=True)  # a second call works too
-if int(os.environ["RANK"]) == 0:
-    with open(out, "w") as f:
-        json.dump({"first": [r.token_ids for r in first], "second": [r.token_ids for r in second]}, f)
+try:  # a prompt rank 0 refuses must not leave the other ranks waiting for a step
+    refused = pipe(["word " * 5000], max_new_tokens=4)
+    assert rank != 0 and refused == [], "only rank 0 sees the refusal"
+except InvalidRequest:
+    assert rank == 0
+second = pipe(prompts[:1], max_new_tokens=4, do_sample=False, ignore_eos=True)  # and the next call works
+result = {"first": [r.token_ids for r in first], "second": [r.token_ids for r in second]}
+if rank == 0 or all_ranks:
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(result, f)
 else:
     assert first == [] and second == [], "only rank 0 returns responses"
 pipe.destroy()
