@@ -15,6 +15,28 @@ from .errors import InvalidRequest, UnknownArgument
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 
 
+def merge_mii_config_dicts(model_name_or_path: str, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """Accept MII's ``model_config={...}`` and ``mii_config={...}`` dicts beside plain kwargs.
+
+    Their keys join the kwargs (``mii_config`` may nest its own ``model_config``); the same key given
+    twice with different values, or a model path that disagrees with the positional one, raises
+    ``InvalidRequest``. Returns the model path and the flat kwargs.
+    """
+    kwargs = dict(kwargs)
+    mii_config = dict(kwargs.pop("mii_config", None) or {})
+    sources = [dict(mii_config.pop("model_config", None) or {}), mii_config, dict(kwargs.pop("model_config", None) or {})]
+    for source in sources:
+        path = source.pop("model_name_or_path", "") or source.pop("model", "")
+        if path and model_name_or_path and path != model_name_or_path:
+            raise InvalidRequest(f"model_name_or_path {model_name_or_path!r} disagrees with the config's {path!r}")
+        model_name_or_path = model_name_or_path or path
+        for key, value in source.items():
+            if key in kwargs and kwargs[key] != value:
+                raise InvalidRequest(f"{key} is given twice with different values ({kwargs[key]!r} and {value!r})")
+            kwargs[key] = value
+    return model_name_or_path, kwargs
+
+
 class KVCacheConfig(BaseModel):
     """How the blocked KV cache is sized. Give ``num_blocks`` or ``memory_bytes``; neither means auto."""
 
@@ -111,6 +133,7 @@ class ModelConfig(BaseModel):
     @classmethod
     def from_kwargs(cls, model_name_or_path: str = "", **kwargs: Any) -> ModelConfig:
         """Build from user kwargs: ``UnknownArgument`` for unknown names, ``InvalidRequest`` for bad values."""
+        model_name_or_path, kwargs = merge_mii_config_dicts(model_name_or_path, kwargs)
         unknown = sorted(set(kwargs) - cls.field_names())
         if unknown:
             raise UnknownArgument(f"Keyword argument(s) {', '.join(unknown)} not recognized")

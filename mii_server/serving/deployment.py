@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..config import ModelConfig
+from ..config import ModelConfig, merge_mii_config_dicts
 from ..errors import InvalidRequest, UnknownArgument
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -253,6 +253,7 @@ class DeploymentConfig(BaseModel):
 
         ``UnknownArgument`` for names neither accepts, ``InvalidRequest`` for bad values.
         """
+        model_name_or_path, kwargs = merge_mii_config_dicts(model_name_or_path, kwargs)
         model_keys = ModelConfig.field_names() - {"model_name_or_path"}
         unknown = sorted(set(kwargs) - model_keys - cls.field_names())
         if unknown:

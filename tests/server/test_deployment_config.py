@@ -82,3 +82,18 @@ def test_launch_spec_travels_as_urlsafe_base64_json() -> None:
     assert decode(text) == spec
     argv = command("replica", spec)
     assert argv[1:5] == ["-m", "mii_server.launch", "--role", "replica"] and argv[5] == "--config"
+
+
+def test_mii_config_dicts_are_accepted_and_merged() -> None:
+    cfg = DeploymentConfig.from_kwargs(
+        "", model_config={"model_name_or_path": "/m", "max_length": 100},
+        mii_config={"replica_num": 2, "deployment_name": "mii-style", "model_config": {"dtype": "float32"}},
+    )  # fmt: skip
+    assert (cfg.model.model_name_or_path, cfg.model.max_length, cfg.model.dtype) == ("/m", 100, "float32")
+    assert (cfg.replica_num, cfg.deployment_name) == (2, "mii-style")
+    with pytest.raises(InvalidRequest, match="given twice"):
+        DeploymentConfig.from_kwargs("", model_config={"max_length": 5}, max_length=6)
+    with pytest.raises(InvalidRequest, match="disagrees"):
+        DeploymentConfig.from_kwargs("/a", model_config={"model_name_or_path": "/b"})
+    with pytest.raises(UnknownArgument, match="quantization_mode"):
+        DeploymentConfig.from_kwargs("", model_config={"quantization_mode": "wf6af16"})
