@@ -128,9 +128,10 @@ def _status(args: argparse.Namespace) -> int:
         print(f"no deployments in {registry.registry_dir()}")
     for r in records:
         state = r.state if r.is_alive() else "dead (stale record)"
-        rest = f" REST {r.rest_url}" if r.rest_url else ""
+        rest = f", REST {r.rest_url}" if r.rest_url else ""
+        openai = f", OpenAI API {r.openai_url}" if r.openai_url else ""
         print(
-            f"{r.name}: {state}, gRPC {r.address}{rest}, supervisor pid {r.supervisor_pid}, logs {r.log_dir}"
+            f"{r.name}: {state}, gRPC {r.address}{rest}{openai}, supervisor pid {r.supervisor_pid}, logs {r.log_dir}"
         )
     return 0
 
