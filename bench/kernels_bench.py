@@ -65,18 +65,24 @@ def _report(name: str, ms: float, **fields: float) -> dict:
     return row
 
 
-def bench_decode(sweep: bool, block_size: int) -> list[dict]:
-    batch, ctx, hq, hk, d = 64, 2048, 32, 8, 128
-    q, k_cache, v_cache, meta = make_batch([(1, ctx)] * batch, hq, hk, d, block_size, torch.bfloat16)
-    scale = d**-0.5
-    moved = 2 * batch * ctx * hk * d * 2 + 2 * q.numel() * 2  # K+V read, q read, out written
-    rows = []
+def time_against_reference(q, k_cache, v_cache, meta, scale) -> tuple[float, float]:
+    """(reference ms, Triton ms) of paged attention on one batch, after checking they agree."""
     ref_ms = do_bench(lambda: reference.paged_attention(q, k_cache, v_cache, meta, scale), rep=200)
     expected = reference.paged_attention(q, k_cache, v_cache, meta, scale)
     torch.testing.assert_close(
         triton_attention.paged_attention(q, k_cache, v_cache, meta, scale), expected, atol=2e-2, rtol=2e-2
     )
     ms = do_bench(lambda: triton_attention.paged_attention(q, k_cache, v_cache, meta, scale), rep=300)
+    return ref_ms, ms
+
+
+def bench_decode(sweep: bool, block_size: int) -> list[dict]:
+    batch, ctx, hq, hk, d = 64, 2048, 32, 8, 128
+    q, k_cache, v_cache, meta = make_batch([(1, ctx)] * batch, hq, hk, d, block_size, torch.bfloat16)
+    scale = d**-0.5
+    moved = 2 * batch * ctx * hk * d * 2 + 2 * q.numel() * 2  # K+V read, q read, out written
+    rows = []
+    ref_ms, ms = time_against_reference(q, k_cache, v_cache, meta, scale)
     gbs = moved / ms / 1e-3
     rows.append(_report(
         f"decode_b{batch}_ctx{ctx}_bs{block_size}", ms, TBps=gbs / 1e12, frac_hbm=gbs / HBM_BYTES_PER_S,
@@ -113,12 +119,7 @@ def bench_prefill(sweep: bool, block_size: int) -> list[dict]:
     scale = d**-0.5
     flops = 4 * nseq * hq * d * length * (length + 1) / 2  # QK^T and PV over the causal triangle
     rows = []
-    ref_ms = do_bench(lambda: reference.paged_attention(q, k_cache, v_cache, meta, scale), rep=200)
-    expected = reference.paged_attention(q, k_cache, v_cache, meta, scale)
-    torch.testing.assert_close(
-        triton_attention.paged_attention(q, k_cache, v_cache, meta, scale), expected, atol=2e-2, rtol=2e-2
-    )
-    ms = do_bench(lambda: triton_attention.paged_attention(q, k_cache, v_cache, meta, scale), rep=300)
+    ref_ms, ms = time_against_reference(q, k_cache, v_cache, meta, scale)
     tf = flops / ms / 1e-3
     rows.append(_report(
         f"prefill_{nseq}x{length}_bs{block_size}", ms, TFLOPs=tf / 1e12, frac_bf16=tf / BF16_FLOPS,

@@ -93,14 +93,7 @@ def response_from_proto(msg: pb.Completion) -> Response:
 
 
 def chunk_from_proto(msg: pb.Completion) -> StreamChunk:
-    return StreamChunk(
-        generated_text=msg.generated_text,
-        prompt_length=msg.prompt_length,
-        generated_length=msg.generated_length,
-        finish_reason=_finish_from_proto(msg.finish_reason),
-        token_ids=list(msg.token_ids),
-        prompt_index=msg.prompt_index,
-    )
+    return StreamChunk(**vars(response_from_proto(msg)), prompt_index=msg.prompt_index)
 
 
 def reply_from_proto(msg: pb.GenerateReply, num_prompts: int) -> list[Response]:
