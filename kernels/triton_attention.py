@@ -86,7 +86,9 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# why do_not_specialize: Triton compiles a variant per integer argument that is 1, a multiple of 16,
+# or neither; these change with every batch, and a compile in the middle of serving costs ~1 s
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, cu_q_lens_ptr, context_lens_ptr,
     scale_log2, num_seqs,
@@ -151,7 +153,7 @@ def _prefill_kernel(
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     block_table_ptr, cu_q_lens_ptr, context_lens_ptr, scale_log2,
