@@ -110,6 +110,13 @@ class ModelConfig(BaseModel):
         "few seconds of start-up and the graphs' memory pool (measured and kept out of the KV cache); "
         "False runs every step eagerly.",
     )
+    overlap_scheduling: bool = Field(
+        default=True,
+        description="With one rank: queue each step before reading back the previous step's sampled "
+        "tokens (they are fed to the model on the device), so scheduling and request bookkeeping run "
+        "while the device computes. A request that stops early costs one discarded token of compute. "
+        "False waits for every step's tokens before building the next.",
+    )
     cuda_graph_max_batch: int = Field(
         default=512,
         ge=1,

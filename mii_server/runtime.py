@@ -172,4 +172,5 @@ def build_loop(config: ModelConfig, runtime: Runtime, executor: StepExecutor | N
         max_batch_sequences=config.max_ragged_sequence_count,
         max_tracked_sequences=config.max_tracked_sequences,
         seed=config.seed,
+        overlap=config.overlap_scheduling,
     )

@@ -18,10 +18,11 @@ from ..engine.state_manager import blocks_for
 from ..errors import InvalidRequest
 from ..generation.detokenizer import IncrementalDetokenizer
 from ..generation.params import GenerateParams
-from ..generation.sampler import sample
+from ..generation.sampler import sample_on_device, to_device
 from .executor import StepExecutor
 from .request import Request, RequestStatus, RequestUpdate, Sink
-from .scheduler import Scheduler
+from .scheduler import ScheduledStep, Scheduler
+from .step import fed_back_placeholder
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,43 @@ class LoopStats:
     preemptions: int
 
 
+class _HostCopy:
+    """Sampled ids on their way to the host: the copy is queued behind the forward and waited for
+    only when the ids are needed."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        if ids.device.type == "cuda":
+            self._host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            self._host.copy_(ids, non_blocking=True)
+            self._ready: torch.cuda.Event | None = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host, self._ready = ids, None
+
+    def wait(self) -> list[int]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist()
+
+
+@dataclass
+class _SampledStep:
+    """A launched step that sampled ``requests`` (in row order); their ids arrive through ``ids``."""
+
+    requests: list[Request]
+    ids: _HostCopy
+
+
 class GenerationLoop:
+    """Runs the batching loop over one engine.
+
+    ``overlap``: queue step N+1 before reading back step N's sampled ids, so the host's scheduling
+    and bookkeeping run while the device computes. Step N+1 feeds N's tokens from the device
+    (placeholders in its token lists, see ``Step.tokens``), so this needs an executor whose every
+    rank sees the sampled ids: one rank (``LocalExecutor.feeds_back``). A request that stops on a
+    token of step N has one more token computed in N+1, which is discarded.
+    """
+
     def __init__(
         self,
         executor: StepExecutor,
@@ -50,8 +87,11 @@ class GenerationLoop:
         max_batch_sequences: int,
         max_tracked_sequences: int,
         seed: int = 0,
+        overlap: bool = True,
     ) -> None:
         self.executor = executor
+        self.overlap = overlap and executor.feeds_back
+        self._in_flight: _SampledStep | None = None  # launched, ids not read back yet (overlap only)
         self.engine = executor.engine
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -130,7 +170,7 @@ class GenerationLoop:
     def wait_for_work(self, timeout: float | None = None) -> None:
         """Block until something is queued (for an idle batching thread)."""
         with self._lock:
-            if not (self._inbox or self._aborts or self.scheduler.has_work()):
+            if not (self._inbox or self._aborts or self.scheduler.has_work() or self._in_flight):
                 self._wakeup.wait(timeout)
 
     def stats(self) -> LoopStats:
@@ -149,33 +189,56 @@ class GenerationLoop:
 
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self._inbox or self._aborts) or self.scheduler.has_work()
+            return bool(self._inbox or self._aborts) or self.scheduler.has_work() or self._in_flight is not None
 
     def step(self) -> None:
-        """One iteration of the loop."""
+        """One iteration: schedule and queue the next forward, then read back the previous one's
+        tokens (overlapped), or this one's (not)."""
         self._take_inbox()
         scheduled = self.scheduler.schedule()
-        if not scheduled.step.uids and not scheduled.step.flush_uids:
-            return
+        launched = None
+        if scheduled.step.uids or scheduled.step.flush_uids:
+            launched = self._launch(scheduled)
+        previous, self._in_flight = self._in_flight, launched
+        if previous is not None:
+            self._read_back(previous)
+        if not self.overlap and self._in_flight is not None:
+            launched, self._in_flight = self._in_flight, None
+            self._read_back(launched)
+
+    def _launch(self, scheduled: ScheduledStep) -> _SampledStep | None:
+        """Queue the step's forward and the sampling of every sequence whose prompt it completes;
+        returns the step whose ids are to be read back, or None when it samples nothing."""
         try:
             logits = self.executor.execute(scheduled.step)
+            to_sample: list[tuple[int, Request]] = []
+            for row, (req, new_tokens) in enumerate(zip(scheduled.requests, scheduled.step.tokens)):
+                req.num_computed_tokens += len(new_tokens)
+                if req.num_computed_tokens == req.num_tokens:
+                    to_sample.append((row, req))
+            if not to_sample:
+                return None
+            assert logits is not None
+            if len(to_sample) < logits.shape[0]:  # some sequences are mid-prompt: sample the others
+                logits = logits.index_select(0, to_device([row for row, _ in to_sample], torch.int64, logits.device))
+            ids = sample_on_device(logits, [req.sampling_row() for _, req in to_sample])
         except Exception as err:  # a failed forward must not strand the requests in it
             log.exception("forward pass failed; failing the %d requests in it", len(scheduled.requests))
             for req in scheduled.requests:
                 self._finish(req, RequestUpdate(req.uid, None, err))
-            return
-        to_sample: list[tuple[int, Request]] = []
-        for row, (req, new_tokens) in enumerate(zip(scheduled.requests, scheduled.step.tokens)):
-            req.num_computed_tokens += len(new_tokens)
-            if req.num_computed_tokens == req.num_tokens:
-                to_sample.append((row, req))
-        if not to_sample:
-            return
-        assert logits is not None
-        if len(to_sample) < logits.shape[0]:  # some sequences are mid-prompt: sample the others
-            logits = logits.index_select(0, torch.tensor([row for row, _ in to_sample], device=logits.device))
-        ids = sample(logits, [req.sampling_row() for _, req in to_sample])
-        for token, (_, req) in zip(ids, to_sample):
+            return None
+        if self.overlap:
+            self.engine.feed_back(ids)
+        requests = [req for _, req in to_sample]
+        for i, req in enumerate(requests):
+            req.launched_sample(fed_back_placeholder(i))
+        return _SampledStep(requests, _HostCopy(ids))
+
+    def _read_back(self, sampled: _SampledStep) -> None:
+        """Wait for a launched step's ids and hand each request its token."""
+        for token, req in zip(sampled.ids.wait(), sampled.requests):
+            if req.status is RequestStatus.FINISHED:  # aborted, or stopped by the token before this one
+                continue
             response = req.append(token)
             self.generated_tokens += 1
             update = RequestUpdate(req.uid, response)
@@ -213,6 +276,7 @@ class GenerationLoop:
     def fail_all(self, err: Exception) -> None:
         """Finish every live and queued request with ``err`` (the engine is going away)."""
         self._take_inbox()
+        self._in_flight = None
         for req in list(self._live.values()):
             if req.status is not RequestStatus.FINISHED:
                 self._finish(req, RequestUpdate(req.uid, None, err))

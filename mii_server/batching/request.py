@@ -51,8 +51,12 @@ class Request:
     sink: Sink
     prompt_text: str = ""  # for return_full_text
     incremental_text: bool = True  # decode token by token (streaming, stop strings), else once at the end
-    output_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)  # generated tokens the host has read back
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    # A token sampled on the device whose id the host has not read back yet (overlapped steps):
+    # it follows output_ids, and a step may feed it to the model as ``fed_back_token``.
+    num_in_flight: int = 0
+    fed_back_token: int = 0  # Step placeholder (negative) for the in-flight token; see Step.tokens
     status: RequestStatus = RequestStatus.WAITING
     stop_strings: StopStringMatcher = field(init=False)
     first_update_sent: bool = False
@@ -61,24 +65,38 @@ class Request:
         self.stop_strings = StopStringMatcher(self.params.stop)
 
     def token_slice(self, start: int, n: int) -> list[int]:
-        """Tokens ``start:start+n`` of prompt + output, without copying the whole sequence."""
+        """Tokens ``start:start+n`` of prompt + output (+ the in-flight token's placeholder), without
+        copying the whole sequence."""
         p = len(self.prompt_ids)
         if start >= p:
-            return self.output_ids[start - p : start - p + n]
-        return (self.prompt_ids[start : start + n] + self.output_ids)[:n]
+            out = self.output_ids[start - p : start - p + n]
+        else:
+            out = (self.prompt_ids[start : start + n] + self.output_ids)[:n]
+        if len(out) < n and self.num_in_flight:
+            assert self.num_in_flight == 1, "a step is scheduled with at most one token in flight"
+            out.append(self.fed_back_token)
+        return out
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Prompt and generated tokens, counting one still in flight."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_in_flight
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_ids) + self.num_in_flight
 
     @property
     def num_pending_tokens(self) -> int:
-        """Tokens not yet in the KV cache (the whole sequence after a preemption)."""
+        """Tokens not yet in the KV cache (the whole sequence after a preemption); 0 once the last
+        token to generate is in flight, since nothing more will be fed."""
+        if self.num_generated >= self.max_new_tokens:
+            return 0
         return self.num_tokens - self.num_computed_tokens
 
     def sampling_row(self) -> SamplingRow:
         p = self.params
-        banned = sorted(self.stop_ids) if len(self.output_ids) < p.min_new_tokens else ()
+        banned = sorted(self.stop_ids) if self.num_generated < p.min_new_tokens else ()
         return SamplingRow(
             greedy=not p.do_sample,
             temperature=p.temperature or 1.0,
@@ -88,8 +106,16 @@ class Request:
             banned_ids=banned,
         )
 
+    def launched_sample(self, placeholder: int) -> None:
+        """A token was sampled on the device; until ``append`` reads it back, steps feed it as
+        ``placeholder``."""
+        self.num_in_flight += 1
+        self.fed_back_token = placeholder
+
     def append(self, token_id: int) -> Response:
         """Record a sampled token; return the update's response (finish_reason NONE unless done)."""
+        if self.num_in_flight:
+            self.num_in_flight -= 1
         self.output_ids.append(token_id)
         finish = FinishReason.NONE
         text = ""

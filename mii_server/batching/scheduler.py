@@ -109,8 +109,8 @@ class Scheduler:
         # requests that were already running.
         while not out.preempted and self.waiting and tokens_left and len(out.requests) < self.max_batch_sequences:
             req = self.waiting[0]
-            if len(self.running) >= self.max_tracked_sequences:
-                break
+            if len(self.running) >= self.max_tracked_sequences or not req.num_pending_tokens:
+                break  # (nothing pending: preempted with its last token in flight; it finishes next)
             if blocks_for(req.num_pending_tokens, self.blocks.block_size) > free:
                 break
             self.waiting.popleft()

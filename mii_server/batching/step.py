@@ -6,13 +6,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def fed_back_placeholder(row: int) -> int:
+    """The token that stands for id ``row`` of the previous step's sampled ids (see
+    ``InferenceEngine.feed_back``)."""
+    return -1 - row
+
+
 @dataclass
 class Step:
     """One iteration of the replica loop: flush these sequences, then run one ragged forward."""
 
     flush_uids: list[int] = field(default_factory=list)  # sequences whose KV blocks are freed first
     uids: list[int] = field(default_factory=list)  # sequences in the forward, in batch order
-    tokens: list[list[int]] = field(default_factory=list)  # new tokens of each sequence
+    # new tokens of each sequence; a negative entry is a placeholder (``fed_back_placeholder``) for a
+    # token the previous step sampled on the device and the engine feeds back without the host
+    tokens: list[list[int]] = field(default_factory=list)
     stop: bool = False  # followers leave their loop (end of a pipeline call, or replica shutdown)
     # with stop, for pipeline(all_rank_output=True): the call's responses as Response.to_msg_dict()s
     responses: list[dict[str, Any]] | None = None

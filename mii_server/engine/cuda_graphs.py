@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .kv_cache import BlockedKVCache
-from .ragged_batch import BatchLayout, HostStaging, RaggedBatch, pack_batch
+from .ragged_batch import BatchLayout, HostStaging, RaggedBatch, pack_batch, with_fed_back
 from .state_manager import SequenceDescriptor
 
 log = logging.getLogger(__name__)
@@ -67,12 +67,15 @@ class DecodeGraphs:
         batch_sizes: Sequence[int],
         max_context_len: int,
         staging: HostStaging,
+        fed_back: torch.Tensor,
     ) -> None:
         """Capture one graph per batch size (largest first, sharing one memory pool).
 
         ``max_context_len``: the longest context a replayed sequence may have; it fixes the block
-        table width and the decode attention's split policy.
+        table width and the decode attention's split policy. ``fed_back``: the engine's buffer of
+        fed-back ids, which placeholder tokens read inside the graph.
         """
+        self.fed_back = fed_back
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.batch_sizes = sorted(batch_sizes)
@@ -106,11 +109,11 @@ class DecodeGraphs:
         batch: RaggedBatch = empty.layout.views(inputs, max_q_len=1, max_context_len=self.max_context_len)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):  # why: warm up (compile Triton, size cuBLAS workspaces) off-graph
-            model(batch.input_ids, batch.meta, self.kv_cache)
+            model(with_fed_back(batch.input_ids, self.fed_back), batch.meta, self.kv_cache)
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            logits = model(batch.input_ids, batch.meta, self.kv_cache)
+            logits = model(with_fed_back(batch.input_ids, self.fed_back), batch.meta, self.kv_cache)
         return _Graph(graph=graph, inputs=inputs, logits=logits)
 
     def fits(self, sequences: Sequence[SequenceDescriptor], tokens: Sequence[Sequence[int]]) -> bool:

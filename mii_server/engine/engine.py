@@ -14,7 +14,7 @@ import torch
 from ..errors import CapacityExceeded
 from .cuda_graphs import DecodeGraphs, graph_batch_sizes
 from .kv_cache import BlockedKVCache
-from .ragged_batch import HostStaging, RaggedBatch
+from .ragged_batch import HostStaging, RaggedBatch, with_fed_back
 from .state_manager import StateManager
 
 
@@ -47,6 +47,8 @@ class InferenceEngine:
         self.device = next(model.parameters()).device
         self._staging = HostStaging(self.device)  # one reusable (pinned) upload buffer
         self._graphs: DecodeGraphs | None = None  # decode-only CUDA graphs, once captured
+        # the ids the caller sampled from the last put's logits, for the next put (see feed_back)
+        self._fed_back = torch.zeros(max_ragged_sequence_count, dtype=torch.int64, device=self.device)
         self.use_cuda_graphs = True  # False runs every step eagerly even when graphs were captured
 
     def capture_cuda_graphs(self, max_context_len: int, max_batch: int = 512) -> DecodeGraphs:
@@ -55,7 +57,9 @@ class InferenceEngine:
         if self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         sizes = graph_batch_sizes(min(self.max_ragged_sequence_count, self.max_ragged_batch_size), max_batch)
-        self._graphs = DecodeGraphs(self.model, self.kv_cache, sizes, max_context_len, self._staging)
+        self._graphs = DecodeGraphs(
+            self.model, self.kv_cache, sizes, max_context_len, self._staging, self._fed_back
+        )
         return self._graphs
 
     @property
@@ -107,10 +111,19 @@ class InferenceEngine:
             return SchedulingResult.KVCacheLimitExceeded
         return SchedulingResult.Success
 
+    def feed_back(self, ids: torch.Tensor) -> None:
+        """Keep ``ids`` (int64 [n] on the device, e.g. tokens sampled from the last ``put``'s logits)
+        for the next ``put``, whose token lists may name ``ids[i]`` by the placeholder ``-1 - i``:
+        the host can queue the next forward before it has read the sampled ids back."""
+        if ids.numel() > self._fed_back.numel():
+            raise ValueError(f"can feed back at most {self._fed_back.numel()} ids, got {ids.numel()}")
+        self._fed_back[: ids.numel()].copy_(ids)
+
     def put(self, uids: Sequence[int], tokens: Sequence[Sequence[int]]) -> torch.Tensor:
         """Append ``tokens[i]`` to sequence ``uids[i]`` (created on first sight) and run one forward.
 
-        Returns float32 logits ``[len(uids), vocab]`` for the last new token of each sequence.
+        A negative token ``-1 - i`` stands for id ``i`` of the last ``feed_back``. Returns float32
+        logits ``[len(uids), vocab]`` for the last new token of each sequence.
         Raises CapacityExceeded (changing nothing) when the batch breaks a limit.
         """
         if len(uids) != len(tokens) or not uids:
@@ -129,7 +142,10 @@ class InferenceEngine:
             logits = self._graphs.run(sequences, tokens)
         else:
             batch = RaggedBatch.build(sequences, tokens, self.block_size, self.device, self._staging)
-            logits = self.model(batch.input_ids, batch.meta, self.kv_cache)
+            ids = batch.input_ids
+            if min(map(min, tokens)) < 0:
+                ids = with_fed_back(ids, self._fed_back)
+            logits = self.model(ids, batch.meta, self.kv_cache)
         for seq, new in zip(sequences, tokens):
             seq.seen_tokens += len(new)
         return logits

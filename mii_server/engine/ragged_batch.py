@@ -144,6 +144,13 @@ def _ranks(counts: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) - offsets
 
 
+def with_fed_back(input_ids: torch.Tensor, fed_back: torch.Tensor) -> torch.Tensor:
+    """``input_ids`` with each placeholder ``-1 - i`` replaced by ``fed_back[i]``, on the device
+    (no host round trip: this is how a step consumes tokens the previous step sampled)."""
+    rows = (-1 - input_ids).clamp_(min=0)
+    return torch.where(input_ids < 0, fed_back.index_select(0, rows), input_ids)
+
+
 class HostStaging:
     """A reusable (pinned, on CUDA) host buffer that uploads a packed batch in one copy.
 

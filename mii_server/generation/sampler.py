@@ -23,6 +23,13 @@ class SamplingRow:
     banned_ids: Sequence[int] = ()  # ids that must not be picked now (EOS before min_new_tokens)
 
 
+def to_device(values: Sequence[int | float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a device tensor, copied without waiting for the device's queue (from
+    pinned memory on CUDA: a copy from pageable memory may wait for every queued kernel)."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
 def filter_probs(probs: torch.Tensor, top_k: int | None, top_p: float) -> torch.Tensor:
     """Zero every token outside the top-k and the top-p nucleus. probs: [V] -> [V] (unnormalised)."""
     if top_k is None and top_p >= 1.0:
@@ -44,8 +51,8 @@ def filter_probs_rows(
     """``filter_probs`` for many rows at once. probs: [R, V]; one top_k and top_p per row."""
     vocab = probs.shape[-1]
     sorted_probs, order = probs.sort(dim=-1, descending=True)  # [R, V]
-    k = torch.tensor([vocab if kk is None else kk for kk in top_k], device=probs.device)  # [R]
-    p = torch.tensor(list(top_p), dtype=probs.dtype, device=probs.device)  # [R]
+    k = to_device([vocab if kk is None else kk for kk in top_k], torch.int64, probs.device)  # [R]
+    p = to_device(list(top_p), probs.dtype, probs.device)  # [R]
     keep = torch.arange(vocab, device=probs.device)[None, :] < k[:, None]
     mass_before = sorted_probs.cumsum(-1) - sorted_probs
     keep &= (mass_before < p[:, None]) | (p[:, None] >= 1.0)  # why: top_p 1.0 must keep every token
@@ -54,26 +61,33 @@ def filter_probs_rows(
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
-    """logits: float32 [S, V] -> one token id per row.
+    """logits: float32 [S, V] -> one token id per row, on the host (one copy back)."""
+    return sample_on_device(logits, rows).tolist()
+
+
+def sample_on_device(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """logits: float32 [S, V] -> int64 [S] on the logits' device, without waiting for the device.
 
     Greedy rows take one batched argmax; sampled rows share one batched softmax and top-k / top-p
     filter, and each draws its noise from its own generator (so seeded requests repeat whatever
-    batch they land in). The chosen ids come back to the host in one copy.
+    batch they land in).
     """
     with torch.inference_mode():  # why: the engine's logits are inference tensors; banning writes to them
         return _sample(logits.float(), rows)
 
 
-def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
+def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     banned = [(i, t) for i, row in enumerate(rows) for t in row.banned_ids]
     if banned:
         at_rows, at_ids = zip(*banned)
-        logits[list(at_rows), list(at_ids)] = float("-inf")
+        logits[to_device(at_rows, torch.int64, logits.device), to_device(at_ids, torch.int64, logits.device)] = (
+            float("-inf")
+        )
     chosen = logits.argmax(dim=-1)  # [S]: right for greedy rows, overwritten for sampled ones
     sampled = [i for i, row in enumerate(rows) if not row.greedy]
     if sampled:
-        index = torch.tensor(sampled, device=logits.device)
-        temperature = torch.tensor([rows[i].temperature for i in sampled], device=logits.device)
+        index = to_device(sampled, torch.int64, logits.device)
+        temperature = to_device([rows[i].temperature for i in sampled], logits.dtype, logits.device)
         probs = torch.softmax(logits.index_select(0, index) / temperature[:, None], dim=-1)  # [R, V]
         if any(rows[i].top_k is not None or rows[i].top_p < 1.0 for i in sampled):
             probs = filter_probs_rows(
@@ -84,4 +98,4 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
         for j, i in enumerate(sampled):
             race[j].exponential_(generator=rows[i].generator)
         chosen.index_copy_(0, index, (probs / race).argmax(dim=-1))
-    return chosen.tolist()
+    return chosen

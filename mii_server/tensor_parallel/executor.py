@@ -21,7 +21,9 @@ FOLLOWER_TIMEOUT_S = 60.0
 
 class BroadcastExecutor:
     """Rank 0 of T: every Step goes to the followers first, then runs here; collectives inside the
-    forward keep the ranks in lock step."""
+    forward keep the ranks in lock step. Only rank 0 samples, so Steps carry every token id."""
+
+    feeds_back = False
 
     def __init__(self, engine: InferenceEngine, publisher: StepPublisher) -> None:
         self.engine = engine
