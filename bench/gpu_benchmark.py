@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from checkpoints import LLAMA3_8B, write_random_llama
+from step_timeline import StepTimeline
 
 HBM_BYTES_PER_S = 4.24e12  # measured device-to-device copy rate on the H200 (docs/BENCHMARKS.md)
 BF16_FLOPS = 790e12  # measured dense bf16 matmul rate on the H200
@@ -210,7 +211,9 @@ def run_ours(path: Path, args: argparse.Namespace, hf: dict[str, float]) -> None
 
     if "throughput" in args.only:
         n, p, o = 256, 512, 256
-        seconds, _, _ = drive(loop, random_prompts(rng, [p] * n), [o] * n)
+        with StepTimeline(loop) as timeline:
+            seconds, _, _ = drive(loop, random_prompts(rng, [p] * n), [o] * n)
+        report("throughput_timeline", **timeline.summary())
         tps = n * o / seconds
         floor = prefill_seconds([p] * n) + decode_seconds([p] * n, [o] * n)
         report("throughput", requests=n, prompt=p, output=o, seconds=seconds, output_tokens_per_s=tps,
@@ -221,11 +224,13 @@ def run_ours(path: Path, args: argparse.Namespace, hf: dict[str, float]) -> None
     if "latency" in args.only:
         per_token = []
         for _ in range(2):  # the first run warms up whatever the throughput run did not
-            _, tracker, _ = drive(loop, random_prompts(rng, [512]), [256])
+            with StepTimeline(loop) as timeline:
+                _, tracker, _ = drive(loop, random_prompts(rng, [512]), [256])
             times = next(iter(tracker.times.values()))
             per_token.append((times[-1] - times[0]) / (len(times) - 1) * 1e3)
         floor_ms = (BODY_PARAMS + HEAD_PARAMS) * 2 / HBM_BYTES_PER_S * 1e3
         ms = per_token[-1]
+        report("latency_timeline", **timeline.summary())
         report("latency", prompt=512, output=256, ms_per_token=ms, warmup_ms_per_token=per_token[0],
                floor_ms=floor_ms, frac_floor=floor_ms / ms, target_ms=4.5,
                hf_ms_per_token=hf.get("latency_ms"), speedup_vs_hf=ratio(hf.get("latency_ms", 0.0), ms))  # fmt: skip
@@ -251,6 +256,16 @@ def run_ours(path: Path, args: argparse.Namespace, hf: dict[str, float]) -> None
                frac_roofline=tps / (sum(olens) / floor), ttft_p50_s=statistics.median(ttft),
                ttft_p99_s=ttft[int(0.99 * (n - 1))], ttft_max_s=ttft[-1],
                preemptions=loop.scheduler.num_preemptions - pre)  # fmt: skip
+
+    if args.compare_sync:
+        loop.overlap = False
+        n, p, o = 256, 512, 256
+        seconds, _, _ = drive(loop, random_prompts(rng, [p] * n), [o] * n)
+        report("throughput_sync", output_tokens_per_s=n * o / seconds, seconds=seconds)
+        _, tracker, _ = drive(loop, random_prompts(rng, [512]), [256])
+        times = next(iter(tracker.times.values()))
+        report("latency_sync", ms_per_token=(times[-1] - times[0]) / (len(times) - 1) * 1e3)
+        loop.overlap = True
 
     if args.profile:
         profile(loop, rng)
@@ -282,7 +297,7 @@ def profile(loop: Any, rng: torch.Generator) -> None:
 
         # kernels and copies only: CPU-side ops (aten::mm, ...) carry their kernels' time again
         busy = sum(device_us(e) for e in rows if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
-        top = sorted(rows, key=device_us, reverse=True)[:14]
+        top = sorted(rows, key=device_us, reverse=True)[:24]
         report(name, wall_s=seconds, gpu_busy_s=busy, gpu_busy_frac=busy / seconds,
                top_kernels=[(e.key[:60], round(device_us(e) / 1e3, 2), e.count) for e in top])  # fmt: skip
 
@@ -299,6 +314,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--profile", action="store_true", help="torch.profiler breakdowns after the scenarios"
+    )
+    parser.add_argument(
+        "--compare-sync",
+        action="store_true",
+        help="also run throughput and latency with overlap_scheduling off (each step's tokens read "
+        "back before the next is queued)",
     )
     parser.add_argument("--weights", default="/tmp/llama3-8b-random", help="checkpoint directory (made once)")
     parser.add_argument("--batch-tokens", type=int, default=4096, help="our max_ragged_batch_size")
