@@ -4,8 +4,6 @@
   (K+V read plus q and out) as a fraction of the HBM ceiling.
 - prefill: 8 sequences x 2048 new tokens, same heads; achieved causal TFLOP/s as a fraction of the
   dense bf16 matmul rate. torch SDPA (flash, contiguous K/V) is printed beside it as a yardstick.
-- linear: the skinny matmul of decode rows (1 and 8) on Llama-3-8B's weight shapes against cuBLAS,
-  as a fraction of HBM bandwidth (the weight read is the whole cost).
 
 Run from the repository root with the package importable, e.g.
 ``PYTHONPATH=<dir holding mii_server> python3 bench/kernels_bench.py [--sweep]``.
@@ -22,7 +20,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from mii_server.kernels import reference, triton_attention, triton_linear
+from mii_server.kernels import reference, triton_attention
 from mii_server.kernels.metadata import AttentionMetadata
 
 HBM_BYTES_PER_S = 4.24e12  # measured device-to-device copy rate on the H200
@@ -163,50 +161,10 @@ def bench_prefill(sweep: bool, block_size: int) -> list[dict]:
     return rows
 
 
-# Llama-3-8B's linear layers (N, K): qkv, o_proj, gate_up, down, LM head
-LINEAR_SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
-                 "down": (4096, 14336), "lm_head": (128256, 4096)}  # fmt: skip
-
-
-def bench_linear(sweep: bool) -> list[dict]:
-    """Skinny matmul (decode rows 1..16) against cuBLAS (``F.linear``), as a fraction of HBM: the
-    weight read is the whole cost. do_bench flushes L2 between calls, as a forward over 32 layers
-    does."""
-    rows = []
-    configs = [{}]
-    if sweep:
-        configs += [
-            {"block_n": bn, "block_k": bk, "num_warps": w, "num_stages": st}
-            for bn in (8, 16, 32, 64) for bk in (128, 256, 512) for w in (2, 4, 8) for st in (2, 4)
-        ]  # fmt: skip
-    shapes = {k: v for k, v in LINEAR_SHAPES.items() if k in ("qkv", "o_proj", "down")} if sweep else LINEAR_SHAPES
-    for name, (n, k) in shapes.items():
-        weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-        floor_ms = n * k * 2 / HBM_BYTES_PER_S * 1e3
-        for m in (1, 8):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            torch.testing.assert_close(triton_linear.linear(x, weight), F.linear(x, weight), atol=2e-2, rtol=2e-2)
-            cublas = do_bench(lambda x=x, w=weight: F.linear(x, w), rep=50)
-            best = None
-            for cfg in configs:
-                try:
-                    ms = do_bench(lambda x=x, w=weight, cfg=cfg: triton_linear.linear(x, w, **cfg), rep=50)
-                except triton.runtime.errors.OutOfResources:
-                    continue  # too many stages of too large tiles for shared memory
-                if best is None or ms < best[0]:
-                    best = (ms, cfg)
-                if not cfg:
-                    default_ms = ms
-            rows.append(_report(f"linear_{name}_m{m}", default_ms, floor_ms=floor_ms, frac_hbm=floor_ms / default_ms,
-                                cublas_ms=cublas, cublas_frac_hbm=floor_ms / cublas, vs_cublas=cublas / default_ms,
-                                best_ms=best[0], **{f"best_{k}": v for k, v in best[1].items()}))  # fmt: skip
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--sweep", nargs="*", choices=["decode", "prefill", "linear"], default=None,
+        "--sweep", nargs="*", choices=["decode", "prefill"], default=None,
         help="also time other tile configurations of these kernels (both when given bare)",
     )  # fmt: skip
     parser.add_argument("--block-size", type=int, nargs="+", default=[16], help="KV cache block sizes")
@@ -217,11 +175,10 @@ def main() -> None:
     print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "triton": triton.__version__}))  # fmt: skip
     rows = []
-    sweep = set() if args.sweep is None else set(args.sweep or ("decode", "prefill", "linear"))
     for block_size in args.block_size:
+        sweep = set() if args.sweep is None else set(args.sweep or ("decode", "prefill"))
         rows += bench_decode("decode" in sweep, block_size)
         rows += bench_prefill("prefill" in sweep, block_size)
-    rows += bench_linear("linear" in sweep)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -27,11 +27,6 @@ def rms_norm(
     return (h.to(x.dtype) * weight).to(x.dtype), stream
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [..., K] @ weight[N, K]^T (+ bias[N]) -> [..., N]."""
-    return F.linear(x, weight, bias)
-
-
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2I] holding gate then up projections -> silu(gate) * up: [T, I]."""
     gate, up = x.chunk(2, dim=-1)

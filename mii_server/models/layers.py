@@ -46,14 +46,12 @@ class ColumnParallelLinear(nn.Module):
         tp: TensorParallelGroup,
         bias: bool,
         dtype: torch.dtype,
-        ops: Any,
     ) -> None:
         """``out_shards``: per packed output, (rows kept by this rank, first row kept, unit) where
         ``unit`` is the checkpoint row count per replica (rows are taken as a block from
-        ``first row kept``). ``ops``: the kernel namespace whose ``linear`` runs the product."""
+        ``first row kept``)."""
         super().__init__()
         self.tp = tp
-        self.ops = ops
         self.out_shards = list(out_shards)
         rows = sum(r for r, _, _ in out_shards)
         self.weight = nn.Parameter(torch.empty(rows, in_features, dtype=dtype), requires_grad=False)
@@ -70,7 +68,7 @@ class ColumnParallelLinear(nn.Module):
         _copy(param.narrow(0, offset, rows), narrow(source, 0, first, rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight, self.bias)
+        return nn.functional.linear(x, self.weight, self.bias)
 
 
 def even_shard(total: int, tp: TensorParallelGroup) -> tuple[int, int, int]:
@@ -82,11 +80,10 @@ class RowParallelLinear(nn.Module):
     """y = x W^T (+ b) with W's input columns split over the ranks and the partial sums all-reduced."""
 
     def __init__(
-        self, in_features: int, out_features: int, tp: TensorParallelGroup, bias: bool, dtype: torch.dtype, ops: Any
+        self, in_features: int, out_features: int, tp: TensorParallelGroup, bias: bool, dtype: torch.dtype
     ) -> None:
         super().__init__()
         self.tp = tp
-        self.ops = ops
         self.in_start, in_share = tp.split(in_features)
         self.weight = nn.Parameter(torch.empty(out_features, in_share, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self._load_weight  # type: ignore[attr-defined]
@@ -100,7 +97,7 @@ class RowParallelLinear(nn.Module):
         _copy(param, narrow(source, 1, self.in_start, param.shape[1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(self.ops.linear(x, self.weight))
+        y = self.tp.all_reduce(nn.functional.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 

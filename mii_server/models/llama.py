@@ -56,9 +56,8 @@ class LlamaAttention(nn.Module):
             tp,
             bias=spec.qkv_bias,
             dtype=dtype,
-            ops=ops,
         )
-        self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden_size, tp, bias=False, dtype=dtype, ops=ops)
+        self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden_size, tp, bias=False, dtype=dtype)
 
     def forward(
         self,
@@ -84,12 +83,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.ops = ops
         shard = even_shard(spec.intermediate_size, tp)
-        self.gate_up_proj = ColumnParallelLinear(
-            spec.hidden_size, [shard, shard], tp, bias=False, dtype=dtype, ops=ops
-        )
-        self.down_proj = RowParallelLinear(
-            spec.intermediate_size, spec.hidden_size, tp, bias=False, dtype=dtype, ops=ops
-        )
+        self.gate_up_proj = ColumnParallelLinear(spec.hidden_size, [shard, shard], tp, bias=False, dtype=dtype)
+        self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size, tp, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))

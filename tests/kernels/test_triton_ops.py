@@ -51,22 +51,6 @@ def _seed() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 16, 17])  # 17: beyond the skinny kernel, cuBLAS / torch
-@pytest.mark.parametrize(
-    "n_out, k_in, block_k", [(4096, 4096, 256), (1000, 1056, 256)] if ON_GPU else [(40, 64, 32), (24, 40, 32)]
-)  # the second shape: output and reduction lengths that are not multiples of the tiles
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_linear(dtype: torch.dtype, rows: int, n_out: int, k_in: int, block_k: int, with_bias: bool) -> None:
-    x = _rand(rows, k_in, dtype=dtype)
-    weight = (_rand(n_out, k_in, dtype=torch.float32) / k_in**0.5).to(dtype)
-    bias = _rand(n_out, dtype=dtype) if with_bias else None
-    got = triton_ops.linear(x, weight, bias, block_k=block_k)
-    want = (x.float() @ weight.float().T + (0 if bias is None else bias.float())).to(dtype)
-    torch.testing.assert_close(got, want, **ULP_TOL[dtype])
-    assert got.shape == (rows, n_out) and got.dtype == dtype
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [4096, 5120] if ON_GPU else [32, 48])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm(dtype: torch.dtype, hidden: int, with_residual: bool) -> None:
