@@ -322,14 +322,19 @@ def main() -> None:
         "back before the next is queued)",
     )
     parser.add_argument("--weights", default="/tmp/llama3-8b-random", help="checkpoint directory (made once)")
-    parser.add_argument("--batch-tokens", type=int, default=4096, help="our max_ragged_batch_size")
+    parser.add_argument(
+        "--batch-tokens", type=int, default=8192,
+        help="our max_ragged_batch_size: tokens per step, so the prompt chunk of a prefill step",
+    )  # fmt: skip
     parser.add_argument(
         "--hf-batch", type=int, default=128, help="transformers batch for the throughput baseline"
     )
     parser.add_argument(
         "--hf-tokens", type=int, default=48, help="longer of the two transformers generation lengths"
     )
-    parser.add_argument("--reserve-gb", type=float, default=4.0, help="our kv_cache.reserve_bytes, in GB")
+    parser.add_argument(
+        "--reserve-gb", type=float, default=1.0, help="our kv_cache.reserve_bytes, in GB (1: the config default)"
+    )
     parser.add_argument("--json", help="write every result row to this file")
     args = parser.parse_args()
     os.environ.setdefault("MII_SERVER_PROGRESS", "0")
