@@ -4,6 +4,8 @@
   (K+V read plus q and out) as a fraction of the HBM ceiling.
 - prefill: 8 sequences x 2048 new tokens, same heads; achieved causal TFLOP/s as a fraction of the
   dense bf16 matmul rate. torch SDPA (flash, contiguous K/V) is printed beside it as a yardstick.
+- ``--blas``: Llama-3-8B's linear layers at 1, 256 and 8192 rows through cuBLAS and cuBLASLt, against
+  the larger of their weight-read and compute floors.
 
 Run from the repository root with the package importable, e.g.
 ``PYTHONPATH=<dir holding mii_server> python3 bench/kernels_bench.py [--sweep]``.
@@ -161,6 +163,36 @@ def bench_prefill(sweep: bool, block_size: int) -> list[dict]:
     return rows
 
 
+# Llama-3-8B's linear layers, (N, K): qkv, o_proj, gate_up, down, LM head
+LINEAR_SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
+                 "down": (4096, 14336), "lm_head": (128256, 4096)}  # fmt: skip
+
+
+def bench_blas_libraries(rows_list: tuple[int, ...] = (1, 256, 8192)) -> list[dict]:
+    """F.linear through cuBLAS (torch's default) and cuBLASLt on the model's weight shapes, replayed
+    in a CUDA graph over 8 distinct weights of each shape (so L2 holds none of them, as in a forward
+    over 32 layers). Reports microseconds per product and the ratio default / cuBLASLt."""
+    out = []
+    default = torch.backends.cuda.preferred_blas_library()
+    for name, (n, k) in LINEAR_SHAPES.items():
+        copies = 2 if name == "lm_head" else 8
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
+        for m in rows_list:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            times = {}
+            for lib in ("cublas", "cublaslt"):
+                torch.backends.cuda.preferred_blas_library(lib)
+                fn = lambda x=x, ws=weights: [F.linear(x, w) for w in ws]
+                times[lib] = triton.testing.do_bench_cudagraph(fn, rep=100) / copies
+            torch.backends.cuda.preferred_blas_library(default)
+            floor_ms = max(n * k * 2 / HBM_BYTES_PER_S, 2 * m * n * k / BF16_FLOPS) * 1e3
+            out.append(_report(f"blas_{name}_m{m}", times["cublas"], cublaslt_ms=times["cublaslt"],
+                               cublas_over_cublaslt=times["cublas"] / times["cublaslt"], floor_ms=floor_ms,
+                               cublas_frac_floor=floor_ms / times["cublas"]))  # fmt: skip
+        del weights
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -168,6 +200,9 @@ def main() -> None:
         help="also time other tile configurations of these kernels (both when given bare)",
     )  # fmt: skip
     parser.add_argument("--block-size", type=int, nargs="+", default=[16], help="KV cache block sizes")
+    parser.add_argument(
+        "--blas", action="store_true", help="also time the model's linear shapes in cuBLAS and cuBLASLt"
+    )
     parser.add_argument("--json", help="write all rows to this file")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "the kernel benchmarks need a CUDA device"
@@ -179,6 +214,8 @@ def main() -> None:
         sweep = set() if args.sweep is None else set(args.sweep or ("decode", "prefill"))
         rows += bench_decode("decode" in sweep, block_size)
         rows += bench_prefill("prefill" in sweep, block_size)
+    if args.blas:
+        rows += bench_blas_libraries()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
