@@ -109,7 +109,8 @@ class StepTimeline:
                 "gpu_ms": round(gpu, 3),
                 "schedule_ms": round(statistics.fmean(r.schedule_ms for r in recs), 3),
                 "execute_host_ms": round(statistics.fmean(r.execute_host_ms for r in recs), 3),
-                # wall time the device had no work from this step (the host was the bottleneck)
-                "device_idle_ms": round(statistics.fmean(max(0.0, r.wall_ms - r.gpu_ms) for r in recs), 3),
+                # wall time per step the device had no work (the host was the bottleneck); of the means,
+                # since with overlapped steps one step's GPU time can show up in its neighbour's
+                "device_idle_ms": round(max(0.0, wall - gpu), 3),
             }
         return out
