@@ -1,5 +1,6 @@
 """Run by torchrun from test_tp_pipeline.py: the same calls on every rank, as a user script would."""
 
+import faulthandler
 import json
 import os
 import sys
@@ -7,6 +8,8 @@ import sys
 import mii_server
 from mii_server.errors import InvalidRequest
 
+# A hang shows where every rank stands (the test's own timeout would kill them silently).
+faulthandler.dump_traceback_later(float(os.environ.get("TP_SCRIPT_HANG_S", "120")), exit=True)
 path, out, prompts_json, all_ranks = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "all"
 prompts = json.loads(prompts_json)
 rank = int(os.environ["RANK"])
