@@ -1,7 +1,9 @@
 """Pure-PyTorch reference ops: the CPU path and the oracle for every Triton kernel.
 
-Every function here has a twin with the same signature in ``triton_ops`` (when Triton is present);
-``mii_server.kernels`` dispatches between the two. Shapes: T tokens in the flat ragged batch,
+The ops the models call (``rms_norm``, ``silu_and_mul``, ``rotary_kv_append``, ``paged_attention``)
+have twins with the same signatures in ``triton_ops`` (when Triton is present); ``mii_server.kernels``
+dispatches between the two. ``rotary_embedding`` and ``kv_append`` are the halves of
+``rotary_kv_append``, kept apart as the readable definitions. Shapes: T tokens in the flat ragged batch,
 S sequences, Hq query heads, Hk key/value heads, D head size, B cache blocks of ``block_size`` slots.
 """
 
@@ -72,6 +74,24 @@ def kv_append(
     v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v.to(v_cache.dtype)
 
 
+def rotary_kv_append(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """A layer's step between its q/k/v projection and attention: rotate q and k
+    (``rotary_embedding``), write the rotated k and v into their cache slots (``kv_append``) and
+    return the rotated q [T, Hq, D]. The Triton twin does all of it in one launch."""
+    q, k = rotary_embedding(q, k, positions, cos_sin_cache)
+    kv_append(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -82,7 +102,7 @@ def paged_attention(
     """Causal attention of a ragged batch (prefill chunks and decode tokens together) over the cache.
 
     q: [T, Hq, D]; k_cache, v_cache: [B, block_size, Hk, D] already holding this batch's keys and
-    values (``kv_append`` runs first). Grouped-query attention: query head h reads KV head
+    values (``rotary_kv_append`` runs first). Grouped-query attention: query head h reads KV head
     h // (Hq // Hk). Returns [T, Hq, D] in q's dtype.
 
     Sequences with one new token (decode) are attended together in one batched product; sequences

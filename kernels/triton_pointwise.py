@@ -1,4 +1,5 @@
-"""Triton twins of the row-wise reference ops: RMSNorm, SiLU-and-mul, rotary embedding, KV append.
+"""Triton twins of the row-wise reference ops: RMSNorm, SiLU-and-mul, and rotary embedding fused
+with the KV append.
 
 Each op matches ``reference`` in signature and rounding: intermediate values are rounded to the input
 dtype exactly where the reference rounds them, so results agree to the last bit up to fp32
@@ -98,113 +99,90 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _rotate_heads(
-    x_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh, tok, cos, sin, num_heads,
+    src, dst, stride_src_h, stride_dst_h, cos, sin, num_heads,
     HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
 ):  # fmt: skip
-    heads = tl.arange(0, HEADS_PAD)
-    cols = tl.arange(0, HALF_PAD)
-    ok = (heads[:, None] < num_heads) & (cols[None, :] < HALF)
-    src = x_ptr + tok * stride_xt + heads[:, None] * stride_xh + cols[None, :]
-    x1 = tl.load(src, mask=ok, other=0.0)
-    x2 = tl.load(src + HALF, mask=ok, other=0.0)
+    """Rotate-half the ``num_heads`` heads of one token from ``src`` into ``dst`` (both at the token)."""
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    cols = tl.arange(0, HALF_PAD)[None, :]
+    ok = (heads < num_heads) & (cols < HALF)
+    x1 = tl.load(src + heads * stride_src_h + cols, mask=ok, other=0.0)
+    x2 = tl.load(src + heads * stride_src_h + HALF + cols, mask=ok, other=0.0)
     a = x1.to(tl.float32)
     b = x2.to(tl.float32)
-    dst = out_ptr + tok * stride_ot + heads[:, None] * stride_oh + cols[None, :]
-    tl.store(dst, (a * cos - b * sin).to(x1.dtype), mask=ok)
-    tl.store(dst + HALF, (b * cos + a * sin).to(x1.dtype), mask=ok)
+    # why two casts: the reference rounds to the input dtype, then to the destination's
+    out_ty = dst.dtype.element_ty
+    tl.store(dst + heads * stride_dst_h + cols, (a * cos - b * sin).to(x1.dtype).to(out_ty), mask=ok)
+    tl.store(dst + heads * stride_dst_h + HALF + cols, (b * cos + a * sin).to(x1.dtype).to(out_ty), mask=ok)
 
 
 @triton.jit
-def _rotary_kernel(
-    q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
-    stride_cache, num_q_heads, num_kv_heads,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, QH_PAD: tl.constexpr, KH_PAD: tl.constexpr,
+def _rotary_kv_append_kernel(
+    q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slot_ptr, cos_sin_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qot, stride_qoh,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_cos_sin,
+    num_q_heads, num_kv_heads, head_dim,
+    BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    QH_PAD: tl.constexpr, KH_PAD: tl.constexpr, D_PAD: tl.constexpr,
 ):  # fmt: skip
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     cols = tl.arange(0, HALF_PAD)
-    cos = tl.load(cache_ptr + pos * stride_cache + cols, mask=cols < HALF, other=0.0)[None, :]
-    sin = tl.load(cache_ptr + pos * stride_cache + HALF + cols, mask=cols < HALF, other=0.0)[None, :]
+    cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + cols, mask=cols < HALF, other=0.0)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + HALF + cols, mask=cols < HALF, other=0.0)[None, :]
     _rotate_heads(
-        q_ptr, q_out_ptr, stride_qt, stride_qh, stride_qot, stride_qoh, tok, cos, sin, num_q_heads,
-        QH_PAD, HALF, HALF_PAD,
+        q_ptr + tok * stride_qt, q_out_ptr + tok * stride_qot, stride_qh, stride_qoh, cos, sin,
+        num_q_heads, QH_PAD, HALF, HALF_PAD,
     )  # fmt: skip
-    _rotate_heads(
-        k_ptr, k_out_ptr, stride_kt, stride_kh, stride_kot, stride_koh, tok, cos, sin, num_kv_heads,
-        KH_PAD, HALF, HALF_PAD,
-    )  # fmt: skip
-
-
-def rotary_embedding(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half rotary embedding; returns new (q, k) tensors. See ``reference.rotary_embedding``."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    half = head_dim // 2
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    if num_tokens > 0:
-        assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
-        _rotary_kernel[(num_tokens,)](
-            q, k, q_out, k_out, positions, cos_sin_cache,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-            cos_sin_cache.stride(0), num_q_heads, num_kv_heads,
-            HALF=half,
-            HALF_PAD=triton.next_power_of_2(half),
-            QH_PAD=triton.next_power_of_2(num_q_heads),
-            KH_PAD=triton.next_power_of_2(num_kv_heads),
-        )  # fmt: skip
-    return q_out, k_out
-
-
-@triton.jit
-def _kv_append_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-    num_heads, head_dim,
-    BLOCK_SIZE: tl.constexpr, HEADS_PAD: tl.constexpr, D_PAD: tl.constexpr,
-):  # fmt: skip
-    tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     if slot < 0:  # why: a negative slot marks a padding token (e.g. in a CUDA-graph batch)
         return
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
-    heads = tl.arange(0, HEADS_PAD)[:, None]
-    cols = tl.arange(0, D_PAD)[None, :]
-    ok = (heads < num_heads) & (cols < head_dim)
-    k = tl.load(k_ptr + tok * stride_kt + heads * stride_kh + cols, mask=ok)
-    v = tl.load(v_ptr + tok * stride_vt + heads * stride_vh + cols, mask=ok)
-    k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + heads * stride_kch + cols
-    v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + heads * stride_vch + cols
-    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
+    _rotate_heads(
+        k_ptr + tok * stride_kt, k_cache_ptr + block * stride_kcb + offset * stride_kcs, stride_kh, stride_kch,
+        cos, sin, num_kv_heads, KH_PAD, HALF, HALF_PAD,
+    )  # fmt: skip
+    heads = tl.arange(0, KH_PAD)[:, None]
+    d = tl.arange(0, D_PAD)[None, :]
+    ok = (heads < num_kv_heads) & (d < head_dim)
+    v = tl.load(v_ptr + tok * stride_vt + heads * stride_vh + d, mask=ok)
+    v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + heads * stride_vch + d
     tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
 
-def kv_append(
+def rotary_kv_append(
+    q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-) -> None:
-    """Write each token's key and value into its cache slot, in place; a slot < 0 is skipped."""
-    num_tokens, num_heads, head_dim = k.shape
+) -> torch.Tensor:
+    """Rotate q and k, write the rotated k and v into the cache; one launch, a program per token.
+    Returns the rotated q. See ``reference.rotary_kv_append``."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
-        return
-    assert k.stride(-1) == 1 and v.stride(-1) == 1
-    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    _kv_append_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        return q_out
+    for t in (q, k, v, k_cache, v_cache, cos_sin_cache):
+        assert t.stride(-1) == 1, "the last dimension must be contiguous"
+    half = head_dim // 2
+    _rotary_kv_append_kernel[(num_tokens,)](
+        q, k, v, q_out, k_cache, v_cache, positions, slot_mapping, cos_sin_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        num_heads, head_dim,
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), cos_sin_cache.stride(0),
+        num_q_heads, num_kv_heads, head_dim,
         BLOCK_SIZE=k_cache.shape[1],
-        HEADS_PAD=triton.next_power_of_2(num_heads),
+        HALF=half,
+        HALF_PAD=triton.next_power_of_2(half),
+        QH_PAD=triton.next_power_of_2(num_q_heads),
+        KH_PAD=triton.next_power_of_2(num_kv_heads),
         D_PAD=triton.next_power_of_2(head_dim),
     )  # fmt: skip
+    return q_out

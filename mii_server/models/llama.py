@@ -70,10 +70,10 @@ class LlamaAttention(nn.Module):
         t, d = x.shape[0], self.head_dim
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hk) D]
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
-        q, k = self.ops.rotary_embedding(
-            q.reshape(t, self.num_heads, d), k.reshape(t, self.num_kv_heads, d), meta.positions, cos_sin
-        )
-        self.ops.kv_append(k, v.reshape(t, self.num_kv_heads, d), k_cache, v_cache, meta.slot_mapping)
+        q = self.ops.rotary_kv_append(
+            q.reshape(t, self.num_heads, d), k.reshape(t, self.num_kv_heads, d), v.reshape(t, self.num_kv_heads, d),
+            meta.positions, cos_sin, k_cache, v_cache, meta.slot_mapping,
+        )  # fmt: skip
         out = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(t, self.num_heads * d))
 
