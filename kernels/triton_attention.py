@@ -7,9 +7,8 @@ Two kernels share one tile step (online softmax in fp32, exp2 domain):
   so each KV tile is read once per group. Programs find their sequence by a binary search over
   ``cu_q_lens`` (no host sync), in the q-block numbering ``cu_q_lens[s] // BLOCK_Q + s``.
 - ``_decode_kernel`` (batches with ``max_q_len == 1``) is split-K flash decoding: a program owns one
-  (sequence, KV head, context split), its GROUP query heads padded to 16 rows for ``tl.dot``; the
-  last split of a (sequence, KV head) to finish (an atomic ticket) merges the splits' partial
-  softmax states, in the same launch.
+  (sequence, KV head, context split), its GROUP query heads padded to 16 rows for ``tl.dot``;
+  ``_decode_reduce_kernel`` merges the splits' partial softmax states.
 
 Cache layout [num_blocks, block_size, Hk, D] with D contiguous; block_size a power of two. The
 launches depend only on shapes and the Python ints ``meta.max_q_len`` / ``meta.max_context_len``, so
@@ -156,13 +155,13 @@ def _prefill_kernel(
 
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tickets_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     block_table_ptr, cu_q_lens_ptr, context_lens_ptr, scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, M_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr, DOT_PREC: tl.constexpr,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, M_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -202,38 +201,38 @@ def _decode_kernel(
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
         # partial state of (seq, head, split): acc at [..., D_PAD], (m, l) at [..., 2]
+        part = (seq * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS + split  # [M]
         row_ok = rows < GROUP
-        first_part = (seq * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS  # [M] split 0 of each head
-        part = first_part + split
         tl.store(part_acc_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=row_ok[:, None])
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
-        # The last split of this (sequence, KV head) to finish merges them all, so no second launch
-        # (and no gap in a CUDA graph) is spent on the reduction. Its ticket resets to 0 for the next.
-        tl.debug_barrier()  # why: every thread's partial stores come before the release below
-        ticket = tickets_ptr + seq * NUM_KV_HEADS + kv_head
-        if tl.atomic_add(ticket, 1, sem="acq_rel") == tl.cdiv(n_tiles, per_split) - 1:
-            tl.atomic_xchg(ticket, 0)
-            m_all = tl.full([M_PAD], float("-inf"), dtype=tl.float32)
-            l_all = tl.zeros([M_PAD], dtype=tl.float32)
-            acc_all = tl.zeros([M_PAD, D_PAD], dtype=tl.float32)
-            for sp in range(tl.cdiv(n_tiles, per_split)):
-                # why .cg: other SMs wrote these; read them from L2, never from a stale L1 line
-                m_s = tl.load(part_ml_ptr + (first_part + sp) * 2, mask=row_ok, other=0.0, cache_modifier=".cg")
-                l_s = tl.load(part_ml_ptr + (first_part + sp) * 2 + 1, mask=row_ok, other=1.0, cache_modifier=".cg")
-                acc_s = tl.load(
-                    part_acc_ptr + (first_part + sp)[:, None] * D_PAD + d[None, :],
-                    mask=row_ok[:, None], other=0.0, cache_modifier=".cg",
-                )  # fmt: skip
-                m_new = tl.maximum(m_all, m_s)
-                alpha = tl.math.exp2(m_all - m_new)
-                beta = tl.math.exp2(m_s - m_new)
-                acc_all = acc_all * alpha[:, None] + acc_s * beta[:, None]
-                l_all = l_all * alpha + l_s * beta
-                m_all = m_new
-            out = acc_all / l_all[:, None]
-            o_off = q_idx.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :]
-            tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr, part_acc_ptr, part_ml_ptr, cu_q_lens_ptr, context_lens_ptr, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_idx = tl.load(cu_q_lens_ptr + seq)
+    if tl.load(cu_q_lens_ptr + seq + 1) == q_idx:
+        return
+    ctx = tl.load(context_lens_ptr + seq)
+    n_tiles = tl.cdiv(ctx, BLOCK_N)
+    n_splits = tl.cdiv(n_tiles, tl.cdiv(n_tiles, NUM_SPLITS))  # splits that hold any tile
+    sp = tl.arange(0, SPLITS_PAD)
+    sp_ok = sp < n_splits
+    part = (seq * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS + sp  # [P]
+    m = tl.load(part_ml_ptr + part * 2, mask=sp_ok, other=float("-inf"))
+    lse = tl.load(part_ml_ptr + part * 2 + 1, mask=sp_ok, other=0.0)
+    w = tl.where(sp_ok, tl.math.exp2(m - tl.max(m, 0)), 0.0)  # [P]
+    d = tl.arange(0, D_PAD)
+    acc = tl.load(part_acc_ptr + part[:, None] * D_PAD + d[None, :], mask=sp_ok[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(lse * w, 0)  # [D]
+    o_off = q_idx.to(tl.int64) * stride_ot + head * stride_oh + d
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 @functools.lru_cache(maxsize=8)
@@ -241,23 +240,6 @@ def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_tickets(device: torch.device, count: int) -> torch.Tensor:
-    """int32 counters, all 0, for the decode kernel's last-split-merges handshake.
-
-    Every launch leaves them at 0 again, so one buffer per device serves every launch, graph
-    replays included. It grows outside graph capture: each rung's eager warm-up runs first with
-    the same shapes, and rungs are captured largest first.
-    """
-    tickets = _TICKETS.get(device)
-    if tickets is None or tickets.numel() < count:
-        tickets = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
-        _TICKETS[device] = tickets
-    return tickets
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -308,20 +290,26 @@ def paged_decode_attention(
     if num_splits > 1:
         part_acc = torch.empty((num_seqs, num_heads, num_splits, d_pad), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((num_seqs, num_heads, num_splits, 2), dtype=torch.float32, device=q.device)
-        tickets = _split_tickets(q.device, num_seqs * num_kv_heads)
     else:
-        part_acc = part_ml = tickets = out  # unused
+        part_acc = part_ml = out  # unused
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_acc, part_ml, tickets,
+        q, k_cache, v_cache, out, part_acc, part_ml,
         meta.block_table, meta.cu_q_lens, meta.context_lens, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_table.stride(0),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, M_PAD=max(16, triton.next_power_of_2(group)),
+        NUM_HEADS=num_heads, GROUP=group, M_PAD=max(16, triton.next_power_of_2(group)),
         NUM_SPLITS=num_splits, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, D_PAD=d_pad, DOT_PREC=_dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            out, part_acc, part_ml, meta.cu_q_lens, meta.context_lens, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            BLOCK_N=block_n, HEAD_DIM=head_dim, D_PAD=d_pad,
+            num_warps=4 if d_pad >= 128 else 1,
+        )  # fmt: skip
     return out
 
 
