@@ -234,18 +234,6 @@ def run_ours(path: Path, args: argparse.Namespace, hf: dict[str, float]) -> None
         report("latency", prompt=512, output=256, ms_per_token=ms, warmup_ms_per_token=per_token[0],
                floor_ms=floor_ms, frac_floor=floor_ms / ms, target_ms=4.5,
                hf_ms_per_token=hf.get("latency_ms"), speedup_vs_hf=ratio(hf.get("latency_ms", 0.0), ms))  # fmt: skip
-        prefetch = getattr(engine.model, "prefetch", None)
-        if prefetch is not None and args.prefetch_ctas:
-            default = int(prefetch.ctas.item())
-            for ctas in args.prefetch_ctas:  # the L2 prefetch's programs; graphs read the scalar
-                prefetch.ctas.fill_(ctas)
-                runs = []
-                for _ in range(2):
-                    _, tracker, _ = drive(loop, random_prompts(rng, [512]), [256])
-                    times = next(iter(tracker.times.values()))
-                    runs.append((times[-1] - times[0]) / (len(times) - 1) * 1e3)
-                report("latency_prefetch", ctas=ctas, ms_per_token=min(runs), runs_ms=runs)
-            prefetch.ctas.fill_(default)
         if graphs is not None and args.compare_eager:
             engine.use_cuda_graphs = False
             _, tracker, _ = drive(loop, random_prompts(rng, [512]), [256])
@@ -347,10 +335,6 @@ def main() -> None:
     parser.add_argument(
         "--reserve-gb", type=float, default=1.0, help="our kv_cache.reserve_bytes, in GB (1: the config default)"
     )
-    parser.add_argument(
-        "--prefetch-ctas", type=int, nargs="*", default=[],
-        help="also time batch-1 decode with the L2 weight prefetch at these program counts (0: off)",
-    )  # fmt: skip
     parser.add_argument("--json", help="write every result row to this file")
     args = parser.parse_args()
     os.environ.setdefault("MII_SERVER_PROGRESS", "0")

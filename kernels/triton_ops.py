@@ -9,7 +9,5 @@ from __future__ import annotations
 
 from .triton_attention import paged_attention
 from .triton_pointwise import rms_norm, rotary_kv_append, silu_and_mul
-from .triton_prefetch import l2_prefetch
 
-# l2_prefetch has no reference twin: it is a cache hint with no result (the models skip it without it)
-__all__ = ["l2_prefetch", "paged_attention", "rms_norm", "rotary_kv_append", "silu_and_mul"]
+__all__ = ["paged_attention", "rms_norm", "rotary_kv_append", "silu_and_mul"]

@@ -8,7 +8,6 @@ reads the rows or columns it keeps, so no rank materialises the whole checkpoint
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -134,50 +133,6 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> float32 [S, vocab]
         logits = nn.functional.linear(hidden, self.weight).float()
         return self.tp.all_gather_last_dim(logits)[:, : self.vocab_size]
-
-
-class L2Prefetch:
-    """Streams a weight into the L2 cache on a side stream while the kernels before its GEMM run.
-
-    For decode steps of at most ``MAX_ROWS`` rows, which read every weight once: ``start(weight)``
-    forks the side stream off the current one and launches ``ops.l2_prefetch``; ``join()`` makes
-    the current stream wait for it before the GEMM. Inside a CUDA graph the fork and join are graph
-    edges. ``ctas`` (a device scalar, so graphs need not be re-captured) sets how many programs
-    read: 0 turns it off.
-    """
-
-    MAX_ROWS = 8
-    L2_SHARE = 0.6  # of the L2 cache a prefetch may fill, leaving room for activations and the KV
-    DEFAULT_CTAS = 32
-
-    def __init__(self, ops: Any, device: torch.device) -> None:
-        self.ops = ops
-        props = torch.cuda.get_device_properties(device)
-        self.max_bytes = int(self.L2_SHARE * props.L2_cache_size)
-        self.stream = torch.cuda.Stream(device)
-        self.ctas = torch.full((1,), self.DEFAULT_CTAS, dtype=torch.int32, device=device)
-        self.sink = torch.empty(props.multi_processor_count, dtype=torch.float32, device=device)
-
-    @classmethod
-    def for_device(cls, ops: Any, device: torch.device) -> L2Prefetch | None:
-        """One for a CUDA device whose kernels have ``l2_prefetch``, else None (also when the
-        environment sets ``MII_SERVER_L2_PREFETCH=0``)."""
-        if device.type != "cuda" or not hasattr(ops, "l2_prefetch"):
-            return None
-        if os.environ.get("MII_SERVER_L2_PREFETCH", "1") == "0":
-            return None
-        return cls(ops, device)
-
-    def applies(self, rows: int, max_q_len: int) -> bool:
-        return max_q_len == 1 and rows <= self.MAX_ROWS
-
-    def start(self, weight: torch.Tensor) -> None:
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            self.ops.l2_prefetch(weight, self.ctas, self.sink, self.max_bytes)
-
-    def join(self) -> None:
-        torch.cuda.current_stream().wait_stream(self.stream)
 
 
 class RMSNorm(nn.Module):

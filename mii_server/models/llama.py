@@ -16,7 +16,6 @@ from torch import nn
 from ..kernels import AttentionMetadata
 from .layers import (
     ColumnParallelLinear,
-    L2Prefetch,
     ParallelLMHead,
     RMSNorm,
     RowParallelLinear,
@@ -39,13 +38,9 @@ def kv_head_shard(num_kv_heads: int, tp: TensorParallelGroup) -> tuple[int, int]
 
 
 class LlamaAttention(nn.Module):
-    def __init__(
-        self, spec: ArchitectureSpec, tp: TensorParallelGroup, dtype: torch.dtype, ops: Any,
-        prefetch: L2Prefetch | None = None,
-    ) -> None:  # fmt: skip
+    def __init__(self, spec: ArchitectureSpec, tp: TensorParallelGroup, dtype: torch.dtype, ops: Any) -> None:
         super().__init__()
         self.ops = ops
-        self.prefetch = prefetch  # o_proj's weight into L2 while small decode steps attend
         d = spec.head_dim
         q_start, self.num_heads = tp.split(spec.num_heads)
         kv_start, self.num_kv_heads = kv_head_shard(spec.num_kv_heads, tp)
@@ -74,17 +69,12 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hk) D]
-        prefetch = self.prefetch if self.prefetch is not None and self.prefetch.applies(t, meta.max_q_len) else None
-        if prefetch is not None:
-            prefetch.start(self.o_proj.weight)
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         q = self.ops.rotary_kv_append(
             q.reshape(t, self.num_heads, d), k.reshape(t, self.num_kv_heads, d), v.reshape(t, self.num_kv_heads, d),
             meta.positions, cos_sin, k_cache, v_cache, meta.slot_mapping,
         )  # fmt: skip
         out = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
-        if prefetch is not None:
-            prefetch.join()
         return self.o_proj(out.reshape(t, self.num_heads * d))
 
 
@@ -101,12 +91,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(
-        self, spec: ArchitectureSpec, tp: TensorParallelGroup, dtype: torch.dtype, ops: Any,
-        prefetch: L2Prefetch | None = None,
-    ) -> None:  # fmt: skip
+    def __init__(self, spec: ArchitectureSpec, tp: TensorParallelGroup, dtype: torch.dtype, ops: Any) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(spec, tp, dtype, ops, prefetch)
+        self.self_attn = LlamaAttention(spec, tp, dtype, ops)
         self.mlp = LlamaMLP(spec, tp, dtype, ops)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, ops)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, ops)
@@ -147,11 +134,7 @@ class LlamaForCausalLM(nn.Module):
         self.spec = spec
         self.tp = tp
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp, dtype)
-        # built under ``with torch.device(...)`` by the loader: the default device is the model's
-        self.prefetch = L2Prefetch.for_device(ops, torch.get_default_device())
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(spec, tp, dtype, ops, self.prefetch) for _ in range(spec.num_layers)
-        )
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, tp, dtype, ops) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, ops)
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tp, dtype)
         cos_sin = rope_cos_sin_cache(spec.head_dim, spec.max_positions, spec.rope_theta, spec.rope_scaling)

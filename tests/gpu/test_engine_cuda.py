@@ -59,7 +59,6 @@ def test_graphs_on_and_off_give_the_same_greedy_tokens(checkpoint: Path, dtype: 
     engine = engine_of(pipe)
     graphs = engine.cuda_graphs
     assert graphs is not None and graphs.batch_sizes == [1, 2, 4, 8]
-    assert engine.model.prefetch is not None, "every rung prefetches o_proj into L2 (fork and join in the graph)"
     with_graphs = generate(pipe)
     engine.use_cuda_graphs = False
     eager = generate(pipe)

@@ -104,23 +104,6 @@ def test_rotary_kv_append(dtype: torch.dtype, num_q_heads: int, num_kv_heads: in
     assert torch.equal(v_cache, v_ref)
 
 
-def test_l2_prefetch_programs_cover_the_capped_weight() -> None:
-    block = 4096  # elements each program reads per step
-    weight = _rand(3 * block + 100, dtype=DTYPES[0])
-    cap = 3 * block + 50  # elements within max_bytes
-    sink = torch.full((4,), 7.0, device=DEVICE)
-    ctas = torch.tensor([2], dtype=torch.int32, device=DEVICE)
-    triton_ops.l2_prefetch(weight, ctas, sink, cap * weight.element_size())
-    blocks = weight[:cap].float().split(block)
-    assert sink[0] == torch.cat([blocks[0], blocks[2]]).max()  # program p reads blocks p, p + 2, ...
-    assert sink[1] == torch.cat([blocks[1], blocks[3]]).max()  # the last one only up to the cap
-    assert (sink[2:] == 7.0).all()  # programs beyond ctas[0] read nothing
-    ctas.zero_()
-    sink.fill_(7.0)
-    triton_ops.l2_prefetch(weight, ctas, sink, cap * weight.element_size())
-    assert (sink == 7.0).all()
-
-
 def _ragged_batch(
     seqs: list[tuple[int, int]],
     num_kv_heads: int,
