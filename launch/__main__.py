@@ -1,4 +1,4 @@
-"""``python -m mii_server.launch --role ROLE --config B64`` (roles: ``launcher.ROLES``).
+"""``python -m mii_server.launch --role ROLE --config B64`` (roles: ``spec.ROLES``).
 
 ``--config`` is url-safe base64 of a ``LaunchSpec`` as JSON (never pickle, never a secret).
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mii_server.serving import launcher, roles
+from mii_server.launch import roles, spec
 from mii_server.serving.log_format import setup_logging
 
 
@@ -17,12 +17,11 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m mii_server.launch",
         description="Run one process of a mii-server deployment (started by the supervisor, not by hand).",
     )
-    parser.add_argument("--role", required=True, choices=launcher.ROLES, help="which process to run")
+    parser.add_argument("--role", required=True, choices=spec.ROLES, help="which process to run")
     parser.add_argument("--config", required=True, help="url-safe base64 JSON LaunchSpec")
     args = parser.parse_args(argv)
     setup_logging(args.role)
-    spec = launcher.decode(args.config)
-    return roles.RUNNERS[args.role](spec)
+    return roles.RUNNERS[args.role](spec.decode(args.config))
 
 
 if __name__ == "__main__":

@@ -25,22 +25,22 @@ def pipeline(model_name_or_path: str = "", all_rank_output: bool = False, **mode
     return _pipeline(model_name_or_path, all_rank_output=all_rank_output, **model_kwargs)
 
 
-# ---- deployments (mii_server.serving.api; imports no torch) -----------------------------------
+# ---- deployments (mii_server.serving.control.api; imports no torch) -----------------------------------
 if TYPE_CHECKING:
-    from .serving.client import Client
+    from .serving.frontends.client import Client
 
 __all__ += ["client", "serve"]
 
 
 def serve(model_name_or_path: str = "", **kwargs: Any) -> Client:
-    """Start a deployment and return its client; see ``mii_server.serving.api.serve``."""
-    from .serving.api import serve as _serve
+    """Start a deployment and return its client; see ``mii_server.serving.control.api.serve``."""
+    from .serving.control.api import serve as _serve
 
     return _serve(model_name_or_path, **kwargs)
 
 
 def client(deployment_name_or_host_port: str = "", timeout: float | None = None) -> Client:
-    """A client for a running deployment; see ``mii_server.serving.api.client``."""
-    from .serving.api import client as _client
+    """A client for a running deployment; see ``mii_server.serving.control.api.client``."""
+    from .serving.control.api import client as _client
 
     return _client(deployment_name_or_host_port, timeout=timeout)

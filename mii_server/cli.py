@@ -17,11 +17,11 @@ from .errors import MIIServerError
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .serving import registry
-    from .serving.api import prepare
-    from .serving.deployment import DeploymentConfig
+    from .serving.control import registry
+    from .serving.control.api import prepare
+    from .serving.control.deployment import DeploymentConfig
+    from .serving.control.supervisor import Supervisor
     from .serving.log_format import setup_logging
-    from .serving.supervisor import Supervisor
 
     kwargs: dict[str, Any] = {
         "replica_num": args.replica_num,
@@ -73,7 +73,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .serving.api import client
+    from .serving.control.api import client
 
     kwargs: dict[str, Any] = {"max_new_tokens": args.max_new_tokens}
     if args.greedy:
@@ -107,8 +107,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from .serving import registry
-    from .serving.api import client
+    from .serving.control import registry
+    from .serving.control.api import client
 
     if args.name:
         c = client(args.name)
@@ -137,7 +137,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _stop(args: argparse.Namespace) -> int:
-    from .serving.api import client
+    from .serving.control.api import client
 
     client(args.name).terminate_server()
     print(f"stopped {args.name}")

@@ -19,24 +19,13 @@ from ..errors import InvalidRequest
 from ..generation.detokenizer import IncrementalDetokenizer
 from ..generation.params import GenerateParams
 from ..generation.sampler import sample_on_device, to_device
+from ..wire.types import EngineStats
 from .executor import StepExecutor
 from .request import Request, RequestStatus, RequestUpdate, Sink
 from .scheduler import ScheduledStep, Scheduler
 from .step import fed_back_placeholder
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class LoopStats:
-    running: int
-    waiting: int
-    free_blocks: int
-    total_blocks: int
-    requests_finished: int
-    prompt_tokens: int
-    generated_tokens: int
-    preemptions: int
 
 
 class _HostCopy:
@@ -173,8 +162,8 @@ class GenerationLoop:
             if not (self._inbox or self._aborts or self.scheduler.has_work() or self._in_flight):
                 self._wakeup.wait(timeout)
 
-    def stats(self) -> LoopStats:
-        return LoopStats(
+    def stats(self) -> EngineStats:
+        return EngineStats(
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
             free_blocks=self.engine.free_blocks,

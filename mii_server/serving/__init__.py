@@ -1,4 +1,4 @@
-"""The deployment: supervisor, load balancer, replicas, REST gateway, client, ``serve()`` / ``client()``.
-
-Nothing here imports torch at package import; only ``replica`` (through the engine driver) does.
+"""The serving wing, torch-free: control plane, routing and front ends, with the gRPC, error-status,
+metrics and logging plumbing they share. The replica (``mii_server.replica``) is the only part of a
+deployment that imports torch; ``tests/server/test_imports.py`` walks this folder to hold that rule.
 """

@@ -33,7 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..generation.response import FinishReason
-from .types import ReplicaStats
+from ..wire.types import ReplicaStats
 
 log = logging.getLogger(__name__)
 

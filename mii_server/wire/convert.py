@@ -11,8 +11,8 @@ from dataclasses import fields
 
 from ..generation.params import GenerateParams
 from ..generation.response import FinishReason, Response
-from ..serving.types import ReplicaStats, StreamChunk
 from . import generation_pb2 as pb
+from .types import ReplicaStats, StreamChunk
 
 # GenerateParams fields that travel as proto3 `optional` scalars (absent = server default).
 _SCALAR_PARAMS = (

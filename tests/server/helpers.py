@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from mii_server.serving.ports import port_is_free
+from mii_server.serving.control.ports import port_is_free
 
 
 def free_port_block(count: int, host: str = "127.0.0.1") -> int:
@@ -62,8 +62,8 @@ def deployment_processes(name: str, registry_dir: str) -> list[int]:
 
     Both must match: another test run on this machine may serve a deployment of the same name.
     """
-    from mii_server.serving.launcher import decode
-    from mii_server.serving.registry import pid_alive
+    from mii_server.launch.spec import decode
+    from mii_server.serving.control.registry import pid_alive
 
     found = []
     for entry in Path("/proc").iterdir():

@@ -7,9 +7,9 @@ import pytest
 from mii_server.errors import InvalidRequest
 from mii_server.generation.params import GenerateParams
 from mii_server.generation.response import FinishReason, Response
-from mii_server.serving.types import ReplicaStats
 from mii_server.wire import convert
 from mii_server.wire import generation_pb2 as pb
+from mii_server.wire.types import ReplicaStats
 
 
 def test_params_round_trip_with_lists_and_exact_floats() -> None:
@@ -74,9 +74,9 @@ def test_reply_must_cover_every_prompt_once() -> None:
 
 def test_stats_round_trip() -> None:
     stats = ReplicaStats(
-        1,
-        "h:1",
-        True,
+        replica_index=1,
+        address="h:1",
+        healthy=True,
         pid=42,
         prompts_received=3,
         prompts_routed=4,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from mii_server.errors import InvalidRequest, UnknownArgument
-from mii_server.serving.deployment import DeploymentConfig
-from mii_server.serving.launcher import LaunchSpec, command, decode, encode
+from mii_server.launch.spec import LaunchSpec, command, decode, encode
+from mii_server.serving.control.deployment import DeploymentConfig
 
 
 def test_mii_defaults_and_derived_ports() -> None:

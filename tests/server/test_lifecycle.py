@@ -14,7 +14,7 @@ import pytest
 
 import mii_server
 from mii_server.errors import DeploymentStartError, UnknownArgument
-from mii_server.serving import registry
+from mii_server.serving.control import registry
 
 from .helpers import deployment_processes, descendants, free_port_block, wait_for
 

@@ -10,8 +10,8 @@ import pytest
 from mii_server.errors import CapacityExceeded, InvalidRequest, ReplicaUnavailable
 from mii_server.generation.response import FinishReason
 from mii_server.serving import grpc_common
-from mii_server.serving.client import Client
-from mii_server.serving.load_balancer import LoadBalancer
+from mii_server.serving.frontends.client import Client
+from mii_server.serving.routing.load_balancer import LoadBalancer
 from mii_server.wire import generation_pb2 as pb
 
 from .fakes import FakeReplica, start_fake

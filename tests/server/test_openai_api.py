@@ -17,8 +17,8 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 import mii_server
-from mii_server.serving import registry
-from mii_server.serving.client import Client
+from mii_server.serving.control import registry
+from mii_server.serving.frontends.client import Client
 
 from .helpers import free_port_block, wait_for
 

@@ -8,10 +8,10 @@ import pytest
 
 from mii_server.errors import CapacityExceeded, InvalidRequest
 from mii_server.generation.response import FinishReason
-from mii_server.serving.http_common import ApiKeys, request_id_from
-from mii_server.serving.openai_protocol import ApiError, ResponseBuilder, api_error_of, parse
-from mii_server.serving.replica import ReplicaServicer
-from mii_server.serving.types import StreamChunk
+from mii_server.replica.servicer import ReplicaServicer
+from mii_server.serving.frontends.http_common import ApiKeys, request_id_from
+from mii_server.serving.frontends.openai_protocol import ApiError, ResponseBuilder, api_error_of, parse
+from mii_server.wire.types import StreamChunk
 
 MODEL = "m"
 

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from mii_server.serving import registry
+from mii_server.serving.control import registry
 
 
 def _record(name: str, pid: int) -> registry.DeploymentRecord:

@@ -9,8 +9,8 @@ import pytest
 from mii_server.errors import CapacityExceeded
 from mii_server.generation.params import GenerateParams
 from mii_server.generation.response import FinishReason, Response
-from mii_server.serving.rest_gateway import create_app
-from mii_server.serving.types import StreamChunk
+from mii_server.serving.frontends.rest_gateway import create_app
+from mii_server.wire.types import StreamChunk
 
 
 class StandInClient:
@@ -92,7 +92,7 @@ def test_streaming_is_server_sent_events(http) -> None:
 
 
 def test_request_id_health_metrics_and_keys() -> None:
-    from mii_server.serving.http_common import ApiKeys
+    from mii_server.serving.frontends.http_common import ApiKeys
 
     stand_in = StandInClient()
     client = create_app("dep", stand_in).test_client()

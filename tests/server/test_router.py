@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mii_server.errors import ReplicaUnavailable
-from mii_server.serving.router import RoundRobinRouter, group_by_replica
+from mii_server.serving.routing.router import RoundRobinRouter, group_by_replica
 
 
 def test_one_request_spreads_over_all_replicas() -> None:

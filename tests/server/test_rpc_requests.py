@@ -9,7 +9,7 @@ import pytest
 from mii_server.errors import InvalidRequest
 from mii_server.generation.params import GenerateParams
 from mii_server.generation.response import FinishReason, Response
-from mii_server.serving.rpc_requests import RpcRequests
+from mii_server.replica.rpc_requests import RpcRequests
 
 
 @dataclass

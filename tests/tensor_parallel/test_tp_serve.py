@@ -11,7 +11,7 @@ from server.helpers import deployment_processes, free_port_block, wait_for
 
 import mii_server
 from mii_server.errors import InvalidRequest, MIIServerError
-from mii_server.serving import registry
+from mii_server.serving.control import registry
 
 pytestmark = pytest.mark.integration
 

@@ -19,11 +19,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import InvalidRequest, MIIServerError
-from ..generation.params import GenerateParams
-from ..generation.response import FinishReason
-from .status import error_name_of, http_status_of
-from .types import StreamChunk
+from ...errors import InvalidRequest, MIIServerError
+from ...generation.params import GenerateParams
+from ...generation.response import FinishReason
+from ...wire.types import StreamChunk
+from ..status import error_name_of, http_status_of
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,12 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import DeploymentStartError
-from . import devices, grpc_common, launcher, registry
+from ...errors import DeploymentStartError
+from ...launch import process
+from ...launch.spec import LaunchSpec, Role
+from .. import grpc_common
+from . import devices, registry
 from .deployment import DeploymentConfig
-from .launcher import LaunchSpec, Role
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +110,7 @@ class Supervisor:
 
     def _spawn(self, child: Child) -> None:
         spec = LaunchSpec(deployment=self.config, replica_index=child.index)
-        child.proc = launcher.spawn(child.role, spec, child.log_path, detach=False, env=child.env)
+        child.proc = process.spawn(child.role, spec, child.log_path, detach=False, env=child.env)
         log.info("started %s (pid %d), log %s", child.label, child.proc.pid, child.log_path)
 
     def _wait_ready(self) -> None:
@@ -129,7 +131,7 @@ class Supervisor:
                     if code is not None:
                         raise DeploymentStartError(
                             f"{child.label} of deployment {cfg.deployment_name} exited with status {code} "
-                            f"during start-up; last lines of {child.log_path}:\n{launcher.log_tail(child.log_path)}"
+                            f"during start-up; last lines of {child.log_path}:\n{process.log_tail(child.log_path)}"
                         )
                     if self._answers(child, channels.get(id(child))):
                         log.info("%s is serving", child.label)
@@ -137,7 +139,7 @@ class Supervisor:
                 if time.monotonic() > deadline:
                     names = ", ".join(c.label for c in waiting)
                     tails = "\n".join(
-                        f"--- {c.log_path}:\n{launcher.log_tail(c.log_path, 15)}" for c in waiting
+                        f"--- {c.log_path}:\n{process.log_tail(c.log_path, 15)}" for c in waiting
                     )
                     raise DeploymentStartError(
                         f"{names} did not answer health within {cfg.startup_timeout_s:.0f}s\n{tails}"
@@ -193,7 +195,7 @@ class Supervisor:
                     code,
                     child.restarts,
                     self.config.max_restarts,
-                    launcher.log_tail(child.log_path, 10),
+                    process.log_tail(child.log_path, 10),
                 )
                 self._spawn(child)
 

@@ -19,12 +19,12 @@ from typing import Any
 
 from flask import Flask, Response, g, request, stream_with_context
 
-from ..errors import DeploymentNotFound, InvalidRequest, MIIServerError
+from ...errors import DeploymentNotFound, InvalidRequest, MIIServerError
+from ..control.deployment import DeploymentConfig
+from ..metrics import EngineStatsCollector, HttpMetrics, exposition
+from ..status import error_name_of, http_status_of
 from .client import Client
-from .deployment import DeploymentConfig
 from .http_common import REQUEST_ID_HEADER, ApiKeys, deployment_health, request_id_from, serve_wsgi
-from .metrics import EngineStatsCollector, HttpMetrics, exposition
-from .status import error_name_of, http_status_of
 
 log = logging.getLogger(__name__)
 

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 import grpc
 
 from ..errors import CapacityExceeded, EngineDead, InvalidRequest
+from ..serving.metrics import ReplicaMetrics
+from ..serving.status import abort_rpc
 from ..wire import convert, generation_pb2_grpc
 from ..wire import generation_pb2 as pb
-from .metrics import ReplicaMetrics
+from ..wire.types import EngineStats, ReplicaStats
 from .rpc_requests import RpcRequests
-from .status import abort_rpc
-from .types import ReplicaStats
 
 if TYPE_CHECKING:
     from .engine_driver import EngineDriver, RequestUpdate
@@ -104,27 +104,15 @@ class ReplicaServicer(generation_pb2_grpc.GenerationServicer):
         return convert.chat_reply_to_proto(prompt)
 
     def _stats(self) -> ReplicaStats:
-        stats = ReplicaStats(
+        engine = self._driver.stats() if self._driver is not None else EngineStats()
+        return ReplicaStats(
+            **vars(engine),
             replica_index=self.replica_index,
             address=self.address,
             healthy=self._driver is not None,
             pid=os.getpid(),
             prompts_received=self._received,
         )
-        if self._driver is not None:
-            engine = self._driver.stats()
-            for name in (
-                "running",
-                "waiting",
-                "free_blocks",
-                "total_blocks",
-                "requests_finished",
-                "prompt_tokens",
-                "generated_tokens",
-                "preemptions",
-            ):
-                setattr(stats, name, getattr(engine, name))
-        return stats
 
     def Terminate(self, request: pb.TerminateRequest, context: grpc.ServicerContext) -> pb.TerminateReply:
         log.info("replica %d: terminate requested", self.replica_index)

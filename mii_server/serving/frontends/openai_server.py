@@ -29,11 +29,12 @@ from typing import Any
 
 from flask import Flask, Response, g, request
 
-from ..errors import MIIServerError
+from ...errors import MIIServerError
+from ...wire.types import StreamChunk
+from ..control.deployment import DeploymentConfig
+from ..metrics import EngineStatsCollector, HttpMetrics, exposition
 from .client import Client, StreamCall
-from .deployment import DeploymentConfig
 from .http_common import REQUEST_ID_HEADER, ApiKeys, deployment_health, request_id_from, serve_wsgi
-from .metrics import EngineStatsCollector, HttpMetrics, exposition
 from .openai_protocol import (
     ApiError,
     Plan,
@@ -44,7 +45,6 @@ from .openai_protocol import (
     models_body,
     parse,
 )
-from .types import StreamChunk
 
 log = logging.getLogger(__name__)
 

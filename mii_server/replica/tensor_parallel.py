@@ -15,14 +15,15 @@ import subprocess
 import threading
 
 from ..errors import EngineDead
+from ..launch import process
+from ..launch.spec import LaunchSpec, RankLink
 from ..runtime import pick_device
+from ..serving.control import registry
 from ..tensor_parallel.channel import StepPublisher
 from ..tensor_parallel.distributed import open_store
 from ..tensor_parallel.executor import follow
 from ..tensor_parallel.ranks import RankPlacement, start_rank
-from . import launcher, registry
 from .engine_driver import EngineDriver
-from .launcher import LaunchSpec, RankLink
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class ReplicaEngine:
             link = RankLink(rank=rank, store_port=store.port, channel_port=publisher.port)
             follower_spec = spec.model_copy(update={"rank_link": link})
             log_path = log_dir / f"replica-{index}-rank-{rank}.log"
-            self.followers.append(launcher.spawn("replica-rank", follower_spec, log_path, detach=False))
+            self.followers.append(process.spawn("replica-rank", follower_spec, log_path, detach=False))
             log.info("replica %d: started rank %d (pid %d), log %s", index, rank, self.followers[-1].pid, log_path)
         for proc in self.followers:
             threading.Thread(target=self._watch, args=(proc,), daemon=True).start()
@@ -75,7 +76,7 @@ class ReplicaEngine:
             try:
                 proc.wait(timeout=FOLLOWER_STOP_S)
             except subprocess.TimeoutExpired:
-                launcher.stop_group(proc)
+                process.stop_group(proc)
 
 
 def run_follower(spec: LaunchSpec) -> int:

@@ -13,12 +13,13 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
-from . import grpc_common
-from .launcher import PARENT_PID_ENV, LaunchSpec
+from ..serving import grpc_common
+from .process import PARENT_PID_ENV
+from .spec import LaunchSpec
 
 if TYPE_CHECKING:
-    from .deployment import DeploymentConfig
-    from .replica import ReplicaServicer
+    from ..replica.servicer import ReplicaServicer
+    from ..serving.control.deployment import DeploymentConfig
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +41,8 @@ def _check_parent() -> None:
 
 def run_replica(spec: LaunchSpec) -> int:
     """Rank 0 of one replica: gRPC (NOT_SERVING while the model loads), then the engine."""
-    from .replica import ReplicaServicer
-    from .tp_replica import ReplicaEngine  # why here: only replicas import torch
+    from ..replica.servicer import ReplicaServicer
+    from ..replica.tensor_parallel import ReplicaEngine  # why here: only replicas import torch
 
     _check_parent()
     cfg = spec.deployment
@@ -74,14 +75,14 @@ def run_replica(spec: LaunchSpec) -> int:
 
 def run_replica_rank(spec: LaunchSpec) -> int:
     """Ranks 1..T-1 of a replica, started by its rank 0 (see ``tp_replica``)."""
-    from .tp_replica import run_follower
+    from ..replica.tensor_parallel import run_follower
 
     _check_parent()
     return run_follower(spec)
 
 
 def run_load_balancer(spec: LaunchSpec) -> int:
-    from .load_balancer import LoadBalancer
+    from ..serving.routing.load_balancer import LoadBalancer
 
     _check_parent()
     cfg = spec.deployment
@@ -103,14 +104,14 @@ def run_load_balancer(spec: LaunchSpec) -> int:
 
 
 def run_rest_gateway(spec: LaunchSpec) -> int:
-    from .rest_gateway import serve_rest_gateway
+    from ..serving.frontends.rest_gateway import serve_rest_gateway
 
     _check_parent()
     return serve_rest_gateway(spec.deployment)
 
 
 def run_openai_server(spec: LaunchSpec) -> int:
-    from .openai_server import serve_openai_server
+    from ..serving.frontends.openai_server import serve_openai_server
 
     _check_parent()
     return serve_openai_server(spec.deployment)
@@ -120,7 +121,7 @@ def start_replica_metrics(cfg: DeploymentConfig, index: int, servicer: ReplicaSe
     """Serve the replica's Prometheus ``/metrics`` and ``/health`` on its metrics port, if enabled."""
     if not cfg.enable_metrics:
         return
-    from .metrics import EngineStatsCollector, start_metrics_server
+    from ..serving.metrics import EngineStatsCollector, start_metrics_server
 
     servicer.metrics.registry.register(EngineStatsCollector(servicer.engine_stats))
     port = cfg.replica_metrics_ports[index]
@@ -129,7 +130,7 @@ def start_replica_metrics(cfg: DeploymentConfig, index: int, servicer: ReplicaSe
 
 
 def run_supervisor(spec: LaunchSpec) -> int:
-    from .supervisor import Supervisor
+    from ..serving.control.supervisor import Supervisor
 
     return Supervisor(spec.deployment).run()
 

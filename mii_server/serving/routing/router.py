@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Collection
 
-from ..errors import ReplicaUnavailable
+from ...errors import ReplicaUnavailable
 
 
 class RoundRobinRouter:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from ..errors import DeploymentStartError
+from ...errors import DeploymentStartError
 
 
 def port_is_free(host: str, port: int) -> bool:

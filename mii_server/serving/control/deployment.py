@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..config import ModelConfig, merge_mii_config_dicts
-from ..errors import InvalidRequest, UnknownArgument
+from ...config import ModelConfig, merge_mii_config_dicts
+from ...errors import InvalidRequest, UnknownArgument
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 

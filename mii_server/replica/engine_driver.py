@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from ..batching.executor import StepExecutor
@@ -20,22 +19,11 @@ from ..errors import EngineDead
 from ..generation.params import GenerateParams
 from ..runtime import Runtime, build_loop, build_runtime
 from ..tensor_parallel.executor import HEARTBEAT_S
+from ..wire.types import EngineStats
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EngineDriver", "EngineStats", "RequestUpdate"]
-
-
-@dataclass
-class EngineStats:
-    running: int  # requests with KV in the cache
-    waiting: int  # queued or preempted requests
-    free_blocks: int  # KV blocks free now
-    total_blocks: int  # KV blocks in the cache
-    requests_finished: int  # since start (finished, aborted or failed)
-    prompt_tokens: int  # prompt tokens of all requests accepted since start
-    generated_tokens: int  # tokens sampled since start
-    preemptions: int  # requests preempted (and recomputed) since start
+__all__ = ["EngineDriver", "RequestUpdate"]
 
 
 class EngineDriver:
@@ -81,8 +69,7 @@ class EngineDriver:
         self.loop.abort(uid)
 
     def stats(self) -> EngineStats:
-        s = self.loop.stats()
-        return EngineStats(**vars(s))
+        return self.loop.stats()
 
     @property
     def alive(self) -> bool:

@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ..errors import InvalidRequest
+from ...errors import InvalidRequest
 from .client import Client
 
 API_KEY_ENV = "MII_SERVER_API_KEY"

@@ -16,12 +16,12 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from ..errors import MIIServerError, ReplicaUnavailable
-from ..wire import generation_pb2 as pb
-from ..wire import generation_pb2_grpc
-from . import grpc_common
+from ...errors import MIIServerError, ReplicaUnavailable
+from ...wire import generation_pb2 as pb
+from ...wire import generation_pb2_grpc
+from .. import grpc_common
+from ..status import abort_rpc, forward_rpc_error, is_retryable
 from .router import RoundRobinRouter, group_by_replica
-from .status import abort_rpc, forward_rpc_error, is_retryable
 
 log = logging.getLogger(__name__)
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..errors import DeploymentNotFound, DeploymentStartError, InvalidRequest
-from . import devices, launcher, ports, registry
-from .client import Client
+from ...errors import DeploymentNotFound, DeploymentStartError, InvalidRequest
+from ...launch import process
+from ...launch.spec import LaunchSpec
+from ..frontends.client import Client
+from . import devices, ports, registry
 from .deployment import DeploymentConfig, default_deployment_name
-from .launcher import LaunchSpec
 
 POLL_S = 0.05
 
@@ -29,7 +30,7 @@ def serve(model_name_or_path: str = "", **kwargs: Any) -> Client:
     config = prepare(DeploymentConfig.from_kwargs(model_name_or_path, **kwargs))
     name, directory = config.deployment_name, config.registry_dir
     log_path = registry.log_dir(name, directory) / "supervisor.log"
-    proc = launcher.spawn("supervisor", LaunchSpec(deployment=config), log_path, detach=True)
+    proc = process.spawn("supervisor", LaunchSpec(deployment=config), log_path, detach=True)
     deadline = time.monotonic() + config.startup_timeout_s + 60.0
     while True:
         record = registry.read(name, directory)
@@ -48,10 +49,10 @@ def serve(model_name_or_path: str = "", **kwargs: Any) -> Client:
                 raise DeploymentStartError(record.error)
             raise DeploymentStartError(
                 f"the supervisor of {name} exited with status {code}; last lines of {log_path}:\n"
-                f"{launcher.log_tail(log_path)}"
+                f"{process.log_tail(log_path)}"
             )
         if time.monotonic() > deadline:
-            launcher.stop_group(proc)
+            process.stop_group(proc)
             raise DeploymentStartError(f"deployment {name} was not ready in time; see {log_path}")
         time.sleep(POLL_S)  # polling the record for a state change, bounded by the deadline
 

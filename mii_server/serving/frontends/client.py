@@ -18,14 +18,15 @@ from typing import Any
 
 import grpc
 
-from ..errors import InvalidRequest, ReplicaUnavailable
-from ..generation.params import GenerateParams
-from ..generation.response import Response
-from ..wire import convert, generation_pb2_grpc
-from ..wire import generation_pb2 as pb
-from . import grpc_common, registry
-from .status import error_from_rpc
-from .types import ReplicaStats, StreamChunk
+from ...errors import InvalidRequest, ReplicaUnavailable
+from ...generation.params import GenerateParams
+from ...generation.response import Response
+from ...wire import convert, generation_pb2_grpc
+from ...wire import generation_pb2 as pb
+from ...wire.types import ReplicaStats, StreamChunk
+from .. import grpc_common
+from ..control import registry
+from ..status import error_from_rpc
 
 TERMINATE_WAIT_S = 120.0
 

@@ -1,0 +1,1 @@
+"""Control plane: serve() and client(), the supervisor, the registry, the deployment config, ports, devices."""

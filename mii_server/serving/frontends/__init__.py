@@ -1,0 +1,1 @@
+"""Front ends: the gRPC client, the REST gateway and the OpenAI-compatible server (one HTTP instrumentation)."""

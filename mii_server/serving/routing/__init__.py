@@ -1,0 +1,1 @@
+"""Routing: the load balancer (per-prompt round robin over replicas, retries, health)."""
