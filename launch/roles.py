@@ -1,34 +1,22 @@
-"""Process entry points, one per role: set up, serve until told to stop, shut down, exit 0.
+"""Role dispatch: one entry function per process role, each living in its own room.
 
-Exit status 0 means "stopped on request"; the supervisor restarts a child only after any other
-status (see ``supervisor``). SIGTERM and SIGINT are requests to stop.
+Every entry sets up, serves until told to stop, shuts down and returns its exit status: 0 means
+"stopped on request"; the supervisor restarts a child only after any other status (see
+``serving.control.supervisor``). SIGTERM and SIGINT are requests to stop. Heavy rooms (the replica,
+which imports torch) are imported only by the role that needs them.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
-import threading
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-from ..serving import grpc_common
 from .process import PARENT_PID_ENV
-from .spec import LaunchSpec
-
-if TYPE_CHECKING:
-    from ..replica.servicer import ReplicaServicer
-    from ..serving.control.deployment import DeploymentConfig
+from .spec import LaunchSpec, Role
 
 log = logging.getLogger(__name__)
-
-ENGINE_CHECK_S = 1.0  # how often a replica checks that its batching loop still runs
-
-
-def _stop_on_signals(stop: threading.Event) -> None:
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
 
 
 def _check_parent() -> None:
@@ -39,42 +27,22 @@ def _check_parent() -> None:
         sys.exit(1)
 
 
+def run_supervisor(spec: LaunchSpec) -> int:
+    from ..serving.control.supervisor import Supervisor
+
+    return Supervisor(spec.deployment).run()
+
+
 def run_replica(spec: LaunchSpec) -> int:
     """Rank 0 of one replica: gRPC (NOT_SERVING while the model loads), then the engine."""
-    from ..replica.servicer import ReplicaServicer
-    from ..replica.tensor_parallel import ReplicaEngine  # why here: only replicas import torch
+    from ..replica.main import run_replica as run
 
     _check_parent()
-    cfg = spec.deployment
-    index = spec.replica_index or 0
-    address = cfg.replica_addresses[index]
-    servicer = ReplicaServicer(index, address, max_queued_requests=cfg.max_queued_requests)
-    _stop_on_signals(servicer.stop_requested)
-    start_replica_metrics(cfg, index, servicer)  # /metrics and /health over HTTP (issue 6)
-    server, health = grpc_common.start_server(servicer, cfg.host, cfg.replica_ports[index], max_workers=256)
-    log.info("replica %d listening on %s; loading %r", index, address, cfg.model.model_name_or_path or "demo")
-    engine = ReplicaEngine(spec)
-    driver = engine.driver
-    try:
-        servicer.attach(driver)
-        grpc_common.set_serving(health, True)
-        log.info("replica %d serving", index)
-        while not servicer.stop_requested.wait(ENGINE_CHECK_S):
-            if not driver.alive:  # the batching loop died: exit non-zero so the supervisor restarts us
-                log.error("replica %d: engine died; exiting for a restart", index)
-                grpc_common.set_serving(health, False)
-                server.stop(grace=1).wait()
-                return 1
-        grpc_common.set_serving(health, False)
-        server.stop(grace=5).wait()
-    finally:
-        engine.shutdown()
-    log.info("replica %d stopped", index)
-    return 0
+    return run(spec)
 
 
 def run_replica_rank(spec: LaunchSpec) -> int:
-    """Ranks 1..T-1 of a replica, started by its rank 0 (see ``tp_replica``)."""
+    """Ranks 1..T-1 of a replica, started by its rank 0 (see ``replica.tensor_parallel``)."""
     from ..replica.tensor_parallel import run_follower
 
     _check_parent()
@@ -82,25 +50,10 @@ def run_replica_rank(spec: LaunchSpec) -> int:
 
 
 def run_load_balancer(spec: LaunchSpec) -> int:
-    from ..serving.routing.load_balancer import LoadBalancer
+    from ..serving.routing.main import run_load_balancer as run
 
     _check_parent()
-    cfg = spec.deployment
-    balancer = LoadBalancer(cfg.replica_addresses, replica_wait_s=cfg.replica_wait_s)
-    _stop_on_signals(balancer.stop_requested)
-    server, health = grpc_common.start_server(balancer, cfg.host, cfg.port_number, max_workers=256)
-    def on_change(any_up: bool, all_up: bool) -> None:
-        grpc_common.set_serving(health, any_up)
-        grpc_common.set_all_replicas_serving(health, all_up)
-
-    monitor = threading.Thread(target=balancer.monitor, args=(on_change,), daemon=True)
-    monitor.start()
-    log.info("load balancer on %s over %s", cfg.lb_address, ", ".join(cfg.replica_addresses))
-    balancer.stop_requested.wait()
-    grpc_common.set_serving(health, False)
-    server.stop(grace=5).wait()
-    balancer.close()
-    return 0
+    return run(spec.deployment)
 
 
 def run_rest_gateway(spec: LaunchSpec) -> int:
@@ -117,25 +70,7 @@ def run_openai_server(spec: LaunchSpec) -> int:
     return serve_openai_server(spec.deployment)
 
 
-def start_replica_metrics(cfg: DeploymentConfig, index: int, servicer: ReplicaServicer) -> None:
-    """Serve the replica's Prometheus ``/metrics`` and ``/health`` on its metrics port, if enabled."""
-    if not cfg.enable_metrics:
-        return
-    from ..serving.metrics import EngineStatsCollector, start_metrics_server
-
-    servicer.metrics.registry.register(EngineStatsCollector(servicer.engine_stats))
-    port = cfg.replica_metrics_ports[index]
-    start_metrics_server(cfg.host, port, servicer.metrics.registry, servicer.health)
-    log.info("replica %d metrics on http://%s:%d/metrics", index, cfg.host, port)
-
-
-def run_supervisor(spec: LaunchSpec) -> int:
-    from ..serving.control.supervisor import Supervisor
-
-    return Supervisor(spec.deployment).run()
-
-
-RUNNERS = {
+RUNNERS: dict[Role, Callable[[LaunchSpec], int]] = {
     "supervisor": run_supervisor,
     "replica": run_replica,
     "replica-rank": run_replica_rank,

@@ -1,8 +1,10 @@
 """EngineDriver: the replica's GenerationLoop on a background thread, fed from any thread.
 
-gRPC handler threads call ``submit``/``abort``; the batching thread steps the loop whenever there is
-work and sleeps (no spinning) when there is none. Every request submitted by any caller shares the
-same batches: that is continuous batching across RPCs.
+The servicer prepares requests (tokenisation, limits) off the event loop and enqueues them; the
+batching thread steps the loop whenever there is work and sleeps (no spinning) when there is none.
+Every request enqueued by any caller shares the same batches: that is continuous batching across
+RPCs. After every step the driver calls ``after_step`` (the relay's flush), so the updates a step
+produced reach the event loop in one wake-up.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..batching.executor import StepExecutor
-from ..batching.request import RequestUpdate
+from ..batching.request import Request, Sink
 from ..config import ModelConfig
 from ..errors import EngineDead
 from ..generation.params import GenerateParams
@@ -23,8 +25,6 @@ from ..wire.types import EngineStats
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EngineDriver", "RequestUpdate"]
-
 
 class EngineDriver:
     def __init__(
@@ -32,11 +32,13 @@ class EngineDriver:
         config: ModelConfig,
         runtime: Runtime | None = None,
         executor: StepExecutor | None = None,
+        after_step: Callable[[], None] = lambda: None,
     ) -> None:
         """Load the model (unless ``runtime`` is given) and start the batching thread."""
         self.config = config
         self.runtime = runtime or build_runtime(config)
         self.loop = build_loop(config, self.runtime, executor)
+        self._after_step = after_step
         self._stopping = threading.Event()
         self._failure: Exception | None = None
         self._thread = threading.Thread(target=self._run, name="batching-loop", daemon=True)
@@ -49,21 +51,19 @@ class EngineDriver:
     def context_length(self) -> int:
         return self.runtime.context_length
 
-    def submit(
-        self,
-        prompt: str | list[int],
-        params: GenerateParams,
-        sink: Callable[[RequestUpdate], None],
-        stream: bool = True,
-    ) -> int:
-        """Queue one prompt; raises InvalidRequest at once for a bad one, EngineDead after shutdown.
+    def prepare(self, prompt: str | list[int], params: GenerateParams, sink: Sink, stream: bool) -> Request:
+        """Tokenise and validate one prompt (any thread; raises ``InvalidRequest``); nothing is queued.
 
         ``stream=False``: the sink still gets an update per token, but the text comes whole with the
         final one (decoded once instead of token by token).
         """
-        if self._stopping.is_set() or self._failure is not None:
-            raise EngineDead(f"the engine is not running ({self._failure or 'shut down'})")
-        return self.loop.submit(prompt, params, sink, stream)
+        self._check_running()
+        return self.loop.prepare(prompt, params, sink, stream)
+
+    def enqueue(self, requests: list[Request]) -> None:
+        """Hand prepared requests to the batching thread (``EngineDead`` after shutdown)."""
+        self._check_running()
+        self.loop.enqueue(requests)
 
     def abort(self, uid: int) -> None:
         self.loop.abort(uid)
@@ -82,6 +82,10 @@ class EngineDriver:
         self._thread.join()
         self.loop.executor.close()
 
+    def _check_running(self) -> None:
+        if self._stopping.is_set() or self._failure is not None:
+            raise EngineDead(f"the engine is not running ({self._failure or 'shut down'})")
+
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
@@ -90,8 +94,11 @@ class EngineDriver:
                     self.loop.executor.idle()
                 while self.loop.has_work() and not self._stopping.is_set():
                     self.loop.step()
+                    self._after_step()
             self.loop.fail_all(EngineDead("the engine was shut down"))
         except Exception as err:  # the loop itself broke: nothing more can run
             log.exception("batching loop died")
             self._failure = err
             self.loop.fail_all(EngineDead(f"batching loop died: {err}"))
+        finally:
+            self._after_step()

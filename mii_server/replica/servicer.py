@@ -1,56 +1,72 @@
-"""The replica's gRPC servicer (rank 0): every RPC's prompts go to one shared ``EngineDriver``.
+"""The replica's gRPC servicer (rank 0, ``grpc.aio``): every RPC's prompts go to one shared ``EngineDriver``.
 
-Concurrent RPCs from any number of clients land in the same continuous batch, because the driver
-batches everything submitted from any thread. A cancelled RPC (client gone, deadline, load
-balancer cancelling) aborts its unfinished prompts, which frees their KV blocks.
+Concurrent RPCs from any number of clients land in the same continuous batch. No RPC holds a thread:
+each is a task on the event loop that awaits its prompts' updates, which the batching thread hands
+over through the ``UpdateRelay`` (one wake-up per engine step). Tokenisation and chat templates run
+on a small thread pool, off the event loop and off the batching loop. An RPC that ends early
+(cancelled by its caller, deadline, the load balancer giving up) aborts its unfinished prompts in its
+``finally``, which frees their KV blocks at the next step.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import grpc
 
+from ..batching.request import Request, RequestUpdate
 from ..errors import CapacityExceeded, EngineDead, InvalidRequest
+from ..generation.params import GenerateParams
 from ..serving.metrics import ReplicaMetrics
 from ..serving.status import abort_rpc
 from ..wire import convert, generation_pb2_grpc
 from ..wire import generation_pb2 as pb
 from ..wire.types import EngineStats, ReplicaStats
+from .chat import render_chat
+from .relay import UpdateRelay
 from .rpc_requests import RpcRequests
 
 if TYPE_CHECKING:
-    from .engine_driver import EngineDriver, RequestUpdate
+    from .engine_driver import EngineDriver
 
 log = logging.getLogger(__name__)
+
+PREPARE_THREADS = 4  # tokenisation and chat templates, off the event loop
 
 
 class ReplicaServicer(generation_pb2_grpc.GenerationServicer):
     """Serves Generate/GenerateStream/Stats/Terminate/ApplyChatTemplate over an engine driver attached once
-    loaded. With ``max_queued_requests``, a request arriving while that many prompts wait is refused with
-    ``CapacityExceeded`` (RESOURCE_EXHAUSTED; HTTP 503 at the gateways)."""
+    loaded. Admission: a request whose prompts would make more than ``max_queued_requests`` prompts wait
+    for the engine is refused at once with ``CapacityExceeded`` (RESOURCE_EXHAUSTED; HTTP 503 with
+    ``Retry-After`` at the front ends)."""
 
     def __init__(self, replica_index: int, address: str, max_queued_requests: int | None = None) -> None:
         self.replica_index = replica_index
         self.address = address
         self.max_queued_requests = max_queued_requests  # None: unbounded
-        self.stop_requested = threading.Event()
+        self.stop_requested = asyncio.Event()  # set on the loop by Terminate or a signal
         self.metrics = ReplicaMetrics(replica_index)
         self._driver: EngineDriver | None = None
-        self._lock = threading.Lock()
+        self._relay: UpdateRelay | None = None
+        self._prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
         self._received = 0  # prompts accepted since this process started
-        self._outstanding = 0  # prompts submitted and not finished (running, waiting or queued)
+        self._outstanding = 0  # prompts admitted and not finished (preparing, waiting or running)
 
-    def attach(self, driver: EngineDriver) -> None:
-        """Start taking requests (called once the model has loaded)."""
+    def attach(self, driver: EngineDriver, relay: UpdateRelay) -> None:
+        """Start taking requests (called on the event loop once the model has loaded)."""
         self._driver = driver
+        self._relay = relay
+
+    def close(self) -> None:
+        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
 
     def health(self) -> tuple[bool, dict[str, object]]:
-        """(serving, detail) for the HTTP ``/health`` beside ``/metrics``."""
+        """(serving, detail) for the HTTP ``/health`` beside ``/metrics`` (any thread)."""
         driver = self._driver
         ok = driver is not None and driver.alive and not self.stop_requested.is_set()
         state = "serving" if ok else ("loading" if driver is None else "stopping")
@@ -61,162 +77,143 @@ class ReplicaServicer(generation_pb2_grpc.GenerationServicer):
         return [self._stats()] if self._driver is not None else []
 
     # ---- RPCs -------------------------------------------------------------------------------
-    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.GenerateReply:
-        requests = self._start(request, context, stream=False)
-        for _, update in requests.updates():
-            if update.error is not None:
-                requests.abort_unfinished()
-                abort_rpc(context, update.error)
-        return pb.GenerateReply(
-            completions=[
-                convert.completion_to_proto(requests.result(i), i) for i in range(len(request.prompts))
-            ]
-        )
-
-    def GenerateStream(
-        self, request: pb.GenerateRequest, context: grpc.ServicerContext
-    ) -> Iterator[pb.Completion]:
-        requests = self._start(request, context, stream=True)
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateReply:
+        requests = await self._start(request, context, stream=False)
         try:
-            for index, update in requests.updates():
+            responses = await requests.results()
+        except Exception as exc:  # noqa: BLE001 - a prompt failed: the whole RPC fails with its status
+            await abort_rpc(context, exc)
+        finally:
+            requests.abort_unfinished()  # no-op when all finished; frees KV blocks if the caller left
+        return pb.GenerateReply(completions=[convert.completion_to_proto(r, i) for i, r in enumerate(responses)])
+
+    async def GenerateStream(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.Completion]:
+        requests = await self._start(request, context, stream=True)
+        try:
+            async for index, update in requests.updates():
                 if update.error is not None:
-                    requests.abort_unfinished()
-                    abort_rpc(context, update.error)
+                    await abort_rpc(context, update.error)
                 yield convert.completion_to_proto(update.response, index)
         finally:
-            requests.abort_unfinished()  # no-op when all finished; frees KV blocks if the client left
+            requests.abort_unfinished()
 
-    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsReply:
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsReply:
         return pb.StatsReply(replicas=[convert.stats_to_proto(self._stats())])
 
-    def ApplyChatTemplate(
-        self, request: pb.ChatTemplateRequest, context: grpc.ServicerContext
+    async def ApplyChatTemplate(
+        self, request: pb.ChatTemplateRequest, context: grpc.aio.ServicerContext
     ) -> pb.ChatTemplateReply:
-        driver = self._driver
-        if driver is None or self.stop_requested.is_set():
-            abort_rpc(
-                context, EngineDead(f"replica {self.replica_index} is not serving (loading or stopping)")
-            )
+        driver = await self._serving_driver(context)
+        messages = convert.chat_messages_from_proto(request)
         try:
-            prompt = render_chat(driver.tokenizer(), convert.chat_messages_from_proto(request))
+            loop = asyncio.get_running_loop()
+            prompt = await loop.run_in_executor(self._prepare_pool, render_chat, driver.tokenizer(), messages)
         except InvalidRequest as exc:
-            abort_rpc(context, exc)
+            await abort_rpc(context, exc)
         return convert.chat_reply_to_proto(prompt)
 
+    async def Terminate(
+        self, request: pb.TerminateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TerminateReply:
+        log.info("replica %d: terminate requested", self.replica_index)
+        self.stop_requested.set()
+        return pb.TerminateReply()
+
+    # ---- helpers ----------------------------------------------------------------------------
     def _stats(self) -> ReplicaStats:
         engine = self._driver.stats() if self._driver is not None else EngineStats()
         return ReplicaStats(
             **vars(engine),
             replica_index=self.replica_index,
             address=self.address,
-            healthy=self._driver is not None,
+            healthy=self.health()[0],  # loaded, its batching loop alive, not stopping
             pid=os.getpid(),
             prompts_received=self._received,
         )
 
-    def Terminate(self, request: pb.TerminateRequest, context: grpc.ServicerContext) -> pb.TerminateReply:
-        log.info("replica %d: terminate requested", self.replica_index)
-        self.stop_requested.set()
-        return pb.TerminateReply()
-
-    # ---- helpers ----------------------------------------------------------------------------
-    def _start(self, request: pb.GenerateRequest, context: grpc.ServicerContext, stream: bool) -> RpcRequests:
-        """Validate, submit every prompt and tie their lifetime to the RPC's. ``stream``: the caller
-        reads text as it comes (else the text is decoded once, when each prompt finishes)."""
+    async def _serving_driver(self, context: grpc.aio.ServicerContext) -> EngineDriver:
         driver = self._driver
         if driver is None or self.stop_requested.is_set():
-            abort_rpc(
+            await abort_rpc(
                 context, EngineDead(f"replica {self.replica_index} is not serving (loading or stopping)")
             )
+        return driver
+
+    async def _start(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, stream: bool
+    ) -> RpcRequests:
+        """Admit, prepare every prompt (off the loop) and enqueue them together; the caller owns the
+        returned requests and must ``abort_unfinished`` them when its RPC ends. ``stream``: the caller
+        reads text as it comes (else the text is decoded once, when each prompt finishes)."""
+        driver = await self._serving_driver(context)
+        request_id = request.request_id or "-"
+        count = len(request.prompts)
         try:
-            self._admit(driver, len(request.prompts))
-        except CapacityExceeded as exc:
-            self.metrics.failed(exc)
-            log.warning("request_id=%s rejected: %s", request.request_id or "-", exc)
-            abort_rpc(context, exc)
-        requests = RpcRequests(self._instrumented_submit(driver, request.request_id, stream), driver.abort)
-        # why before submitting: a client that is already gone must not leave work behind
-        if not context.add_callback(requests.abort_unfinished):
-            abort_rpc(context, EngineDead("the RPC ended before it started"))
-        try:
-            requests.submit_all(request.prompts, convert.params_from_proto(request.params))
+            params = convert.params_from_proto(request.params)
+            self._admit(driver, count)
         except Exception as exc:  # noqa: BLE001 - typed errors keep their status, others become INTERNAL
             self.metrics.failed(exc)
-            log.info("request_id=%s rejected: %s: %s", request.request_id or "-", type(exc).__name__, exc)
-            abort_rpc(context, exc)
-        with self._lock:
-            self._received += len(request.prompts)
-        log.info("request_id=%s accepted prompts=%d", request.request_id or "-", len(request.prompts))
+            log.info("request_id=%s rejected: %s: %s", request_id, type(exc).__name__, exc)
+            await abort_rpc(context, exc)
+        self._outstanding += count  # why now: concurrent admissions must see these prompts
+        timings = [self.metrics.start() for _ in range(count)]
+        requests = RpcRequests(
+            count,
+            stream=stream,
+            relay=self._relay,
+            abort=driver.abort,
+            observe=lambda i, update: self.metrics.observe(timings[i], update),
+            on_final=lambda i, update: self._finished(request_id, update),
+        )
+        try:
+            loop = asyncio.get_running_loop()
+            prepared = await loop.run_in_executor(
+                self._prepare_pool, _prepare_all, driver, list(request.prompts), params, requests, stream
+            )
+            driver.enqueue(prepared)
+        except BaseException as exc:  # a bad prompt, a dead engine, or the caller left while we prepared
+            self._outstanding -= count
+            if isinstance(exc, Exception):
+                self.metrics.failed(exc)
+                log.info("request_id=%s rejected: %s: %s", request_id, type(exc).__name__, exc)
+                await abort_rpc(context, exc)
+            raise
+        for i, req in enumerate(prepared):
+            requests.bind(i, req.uid)
+        self._received += count
+        log.info("request_id=%s accepted prompts=%d", request_id, count)
         return requests
 
     def _admit(self, driver: EngineDriver, num_prompts: int) -> None:
-        """Raise ``CapacityExceeded`` when ``max_queued_requests`` prompts already wait on this replica."""
+        """Raise ``CapacityExceeded`` when ``num_prompts`` more would make more than
+        ``max_queued_requests`` prompts wait on this replica."""
         if self.max_queued_requests is None:
             return
-        with self._lock:
-            outstanding = self._outstanding
-        waiting = max(0, outstanding - driver.stats().running)
-        if waiting >= self.max_queued_requests:
+        waiting = max(0, self._outstanding - driver.stats().running)
+        if waiting + num_prompts > self.max_queued_requests:
             raise CapacityExceeded(
-                f"replica {self.replica_index} is overloaded: {waiting} requests are waiting "
-                f"(max_queued_requests={self.max_queued_requests}); retry later"
+                f"replica {self.replica_index} is overloaded: {waiting} prompts are waiting and this request "
+                f"brings {num_prompts} (max_queued_requests={self.max_queued_requests}); retry later"
             )
 
-    def _instrumented_submit(self, driver: EngineDriver, request_id: str, stream: bool) -> Callable[..., int]:
-        """``driver.submit`` that counts outstanding prompts, feeds metrics and logs each prompt's end."""
-
-        def submit(prompt: str, params: object, sink: Callable[[object], None]) -> int:
-            timing = self.metrics.start()
-            holder: dict[str, int] = {}
-
-            def observing(update: RequestUpdate) -> None:
-                self.metrics.observe(timing, update)
-                if update.finished:
-                    with self._lock:
-                        self._outstanding -= 1
-                    r = update.response
-                    log.info(
-                        "request_id=%s uid=%s finished reason=%s prompt_tokens=%s generated_tokens=%s",
-                        request_id or "-",
-                        holder.get("uid", "?"),
-                        type(update.error).__name__ if update.error is not None else r.finish_reason.value,
-                        r.prompt_length if r is not None else "-",
-                        r.generated_length if r is not None else "-",
-                    )
-                sink(update)
-
-            with self._lock:
-                self._outstanding += 1
-            try:
-                uid = driver.submit(prompt, params, observing, stream=stream)
-            except BaseException as exc:
-                with self._lock:
-                    self._outstanding -= 1
-                self.metrics.failed(exc)
-                raise
-            holder["uid"] = uid
-            return uid
-
-        return submit
-
-
-def render_chat(tokenizer: object, messages: list[dict[str, str]]) -> str:
-    """The prompt text of ``messages`` under the tokenizer's chat template (``InvalidRequest`` if none).
-
-    A leading BOS the template writes is dropped when the tokenizer adds BOS itself on encode, so the
-    prompt is not tokenised with two.
-    """
-    if not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequest(
-            "this model has no chat template, so /v1/chat/completions cannot format messages; "
-            "use /v1/completions with a prompt"
+    def _finished(self, request_id: str, update: RequestUpdate) -> None:
+        """A prompt's final update reached the loop: count it and log its end."""
+        self._outstanding -= 1
+        r = update.response
+        log.info(
+            "request_id=%s uid=%s finished reason=%s prompt_tokens=%s generated_tokens=%s",
+            request_id,
+            update.uid,
+            type(update.error).__name__ if update.error is not None else r.finish_reason.value,
+            r.prompt_length if r is not None else "-",
+            r.generated_length if r is not None else "-",
         )
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as err:  # noqa: BLE001 - a template that rejects the messages (e.g. role order)
-        raise InvalidRequest(f"the chat template cannot render these messages: {err}") from None
-    bos = getattr(tokenizer, "bos_token", None)
-    bos_id = getattr(tokenizer, "bos_token_id", None)
-    if bos and text.startswith(bos) and bos_id is not None and bos_id in tokenizer.encode(""):
-        text = text[len(bos) :]
-    return text
+
+
+def _prepare_all(
+    driver: EngineDriver, prompts: list[str], params: GenerateParams, requests: RpcRequests, stream: bool
+) -> list[Request]:
+    """Tokenise and validate every prompt of an RPC before any is queued (a bad one leaves nothing behind)."""
+    return [driver.prepare(prompt, params, requests.sink(i), stream) for i, prompt in enumerate(prompts)]

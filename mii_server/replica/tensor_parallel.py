@@ -13,6 +13,7 @@ import logging
 import os
 import subprocess
 import threading
+from collections.abc import Callable
 
 from ..errors import EngineDead
 from ..launch import process
@@ -33,13 +34,15 @@ FOLLOWER_STOP_S = 30.0
 class ReplicaEngine:
     """Rank 0's engine plus the follower processes it started (none when T is 1)."""
 
-    def __init__(self, spec: LaunchSpec) -> None:
+    def __init__(self, spec: LaunchSpec, after_step: Callable[[], None]) -> None:
+        """Load the model (and start the followers); ``after_step`` runs on the batching thread after
+        every step (the relay's flush)."""
         cfg = spec.deployment
         world = cfg.model.tensor_parallel
         self.followers: list[subprocess.Popen] = []
         self._stopping = threading.Event()
         if world == 1:
-            self.driver = EngineDriver(cfg.model)
+            self.driver = EngineDriver(cfg.model, after_step=after_step)
             return
         publisher = StepPublisher(cfg.host, 0)
         store = open_store(cfg.host, 0, world)
@@ -58,7 +61,7 @@ class ReplicaEngine:
             channel_host=cfg.host, channel_port=publisher.port, store=store,
         )
         started = start_rank(cfg.model, placement, publisher)
-        self.driver = EngineDriver(cfg.model, started.runtime, started.executor)
+        self.driver = EngineDriver(cfg.model, started.runtime, started.executor, after_step)
 
     def _watch(self, proc: subprocess.Popen) -> None:
         # A follower gone means the collectives can never complete: take the replica down at once

@@ -1,8 +1,6 @@
-"""gRPC plumbing shared by every process: server and channel options, health service and checks."""
+"""gRPC plumbing shared by every process: asyncio servers, channel options, health service and checks."""
 
 from __future__ import annotations
-
-from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -29,25 +27,26 @@ CHANNEL_OPTIONS = _SIZE_OPTIONS + [
 ]
 
 
-def start_server(
-    servicer: generation_pb2_grpc.GenerationServicer, host: str, port: int, max_workers: int = 64
-) -> tuple[grpc.Server, health.HealthServicer]:
-    """Start a gRPC server with our service and grpc.health.v1 (NOT_SERVING until the caller says).
+async def start_server(
+    servicer: generation_pb2_grpc.GenerationServicer, host: str, port: int
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """Start an asyncio gRPC server with our service and grpc.health.v1 (NOT_SERVING until the caller
+    says). No thread per RPC: every call is a task on the running event loop.
 
     Raises ``OSError`` when the port cannot be bound.
     """
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer()
+    health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    set_serving(health_servicer, False)
+    await set_serving(health_servicer, False)
     try:
         bound = server.add_insecure_port(f"{host}:{port}")
     except RuntimeError as err:  # grpcio >= 1.60 raises; older ones return 0
         raise OSError(f"cannot listen on {host}:{port}: {err}") from None
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port} (in use?)")
-    server.start()
+    await server.start()
     return server, health_servicer
 
 
@@ -60,13 +59,13 @@ def _status(serving: bool) -> int:
     return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def set_serving(health_servicer: health.HealthServicer, serving: bool) -> None:
+async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool) -> None:
     for name in ("", SERVICE_NAME):
-        health_servicer.set(name, _status(serving))
+        await health_servicer.set(name, _status(serving))
 
 
-def set_all_replicas_serving(health_servicer: health.HealthServicer, serving: bool) -> None:
-    health_servicer.set(ALL_REPLICAS_SERVICE, _status(serving))
+async def set_all_replicas_serving(health_servicer: health.aio.HealthServicer, serving: bool) -> None:
+    await health_servicer.set(ALL_REPLICAS_SERVICE, _status(serving))
 
 
 def channel(address: str) -> grpc.Channel:

@@ -1,6 +1,6 @@
 """The one place that maps typed errors to gRPC status codes and HTTP statuses, and back.
 
-Servers call :func:`abort_rpc` (or :func:`grpc_status_of`) with a caught exception; clients call
+Servers (``grpc.aio``) await :func:`abort_rpc` (or call :func:`grpc_status_of`) with a caught exception; clients call
 :func:`error_from_rpc` on a ``grpc.RpcError`` and get the same exception type the server raised,
 carrying the server's message. The type travels in trailing metadata (``mii-error``) because several
 types share one status code.
@@ -59,24 +59,20 @@ def error_name_of(exc: BaseException) -> str:
     return cls.__name__ if cls is not None else "InternalError"
 
 
-def abort_rpc(context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
+async def abort_rpc(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
     """End the current RPC with the status that ``exc`` maps to (raises, as ``context.abort`` does)."""
     cls, code, _ = _classify(exc)
     if cls is not None:
-        context.set_trailing_metadata(((ERROR_METADATA_KEY, cls.__name__),))
-        message = str(exc)
-    else:
-        message = f"internal error: {type(exc).__name__}: {exc}"
-    context.abort(code, message)
+        await context.abort(code, str(exc), trailing_metadata=((ERROR_METADATA_KEY, cls.__name__),))
+    await context.abort(code, f"internal error: {type(exc).__name__}: {exc}")
     raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
 
-def forward_rpc_error(context: grpc.ServicerContext, err: grpc.RpcError) -> NoReturn:
+async def forward_rpc_error(context: grpc.aio.ServicerContext, err: grpc.RpcError) -> NoReturn:
     """Re-raise an upstream RPC's failure to our own caller with the same code, message and type."""
     name = _error_name_from_metadata(err)
-    if name is not None:
-        context.set_trailing_metadata(((ERROR_METADATA_KEY, name),))
-    context.abort(_code_of(err), _details_of(err))
+    metadata = ((ERROR_METADATA_KEY, name),) if name is not None else ()
+    await context.abort(_code_of(err), _details_of(err), trailing_metadata=metadata)
     raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
 

@@ -143,3 +143,23 @@ def chat_reply_to_proto(prompt: str) -> pb.ChatTemplateReply:
 
 def chat_prompt_from_proto(msg: pb.ChatTemplateReply) -> str:
     return msg.prompt
+
+
+def merge_completions(chunks: list[pb.Completion]) -> list[pb.Completion]:
+    """Stream chunks that queued up together, folded into one per prompt (text and ids joined, the last
+    chunk's lengths and finish reason), prompts in order of first appearance: a reader slower than
+    the engine gets fewer, larger messages instead of a backlog of one-token ones."""
+    if len(chunks) < 2:
+        return chunks
+    merged: dict[int, pb.Completion] = {}
+    for chunk in chunks:
+        into = merged.get(chunk.prompt_index)
+        if into is None:
+            merged[chunk.prompt_index] = chunk
+            continue
+        into.generated_text += chunk.generated_text
+        into.token_ids.extend(chunk.token_ids)
+        into.prompt_length = chunk.prompt_length
+        into.generated_length = chunk.generated_length
+        into.finish_reason = chunk.finish_reason
+    return list(merged.values())

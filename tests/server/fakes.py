@@ -1,9 +1,10 @@
-"""In-process fake replicas (no torch): answer with the prompt and their own name, so routing shows."""
+"""In-process fake replicas (no torch, ``grpc.aio`` like the real ones): answer with the prompt and their
+own name, so routing shows."""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
+import asyncio
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -16,40 +17,40 @@ from mii_server.wire import generation_pb2 as pb
 
 
 class FakeReplica(generation_pb2_grpc.GenerationServicer):
-    """Generate: '<prompt>@<name>'; stream: one chunk per character of that. 'bad' -> InvalidRequest."""
+    """Generate: '<prompt>@<name>'; stream: one chunk per character of that. 'bad' -> InvalidRequest,
+    'full' -> CapacityExceeded; max_new_tokens=999 streams until cancelled."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.prompts: list[str] = []
-        self.terminated = threading.Event()
-        self.cancelled = threading.Event()
+        self.terminated = asyncio.Event()
+        self.cancelled = asyncio.Event()
 
-    def _text(self, prompt: str, context: grpc.ServicerContext) -> str:
+    async def _text(self, prompt: str, context: grpc.aio.ServicerContext) -> str:
         if prompt == "bad":
-            abort_rpc(context, InvalidRequest(f"prompt 'bad' refused by {self.name}"))
+            await abort_rpc(context, InvalidRequest(f"prompt 'bad' refused by {self.name}"))
         if prompt == "full":
-            abort_rpc(context, CapacityExceeded("no KV blocks left"))
+            await abort_rpc(context, CapacityExceeded("no KV blocks left"))
         self.prompts.append(prompt)
         return f"{prompt}@{self.name}"
 
-    def Generate(self, request, context):
+    async def Generate(self, request, context):
         out = []
         for i, prompt in enumerate(request.prompts):
-            text = self._text(prompt, context)
-            out.append(
-                convert.completion_to_proto(Response(text, len(prompt), len(text), FinishReason.STOP), i)
-            )
+            text = await self._text(prompt, context)
+            out.append(convert.completion_to_proto(Response(text, len(prompt), len(text), FinishReason.STOP), i))
         return pb.GenerateReply(completions=out)
 
-    def GenerateStream(self, request, context) -> Iterator[pb.Completion]:
-        context.add_callback(lambda: None if context.is_active() else self.cancelled.set())
-        texts = [self._text(p, context) for p in request.prompts]
+    async def GenerateStream(self, request, context) -> AsyncIterator[pb.Completion]:
+        texts = [await self._text(p, context) for p in request.prompts]
         if request.params.HasField("max_new_tokens") and request.params.max_new_tokens == 999:
-            # endless stream: the test cancels it
-            while context.is_active():
-                yield convert.completion_to_proto(Response(".", 1, 1, FinishReason.NONE), 0)
-                self.cancelled.wait(0.01)
-            return
+            try:  # endless stream: the test cancels it
+                while True:
+                    yield convert.completion_to_proto(Response(".", 1, 1, FinishReason.NONE), 0)
+                    await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
         longest = max((len(t) for t in texts), default=0)
         for step in range(longest):  # interleave prompts, like a real batch
             for i, text in enumerate(texts):
@@ -58,18 +59,16 @@ class FakeReplica(generation_pb2_grpc.GenerationServicer):
                     reason = FinishReason.STOP if done else FinishReason.NONE
                     yield convert.completion_to_proto(Response(text[step], 1, step + 1, reason), i)
 
-    def Stats(self, request, context):
-        return pb.StatsReply(
-            replicas=[pb.ReplicaStats(healthy=True, pid=1, prompts_received=len(self.prompts))]
-        )
+    async def Stats(self, request, context):
+        return pb.StatsReply(replicas=[pb.ReplicaStats(healthy=True, pid=1, prompts_received=len(self.prompts))])
 
-    def Terminate(self, request, context):
+    async def Terminate(self, request, context):
         self.terminated.set()
         return pb.TerminateReply()
 
 
-def start_fake(name: str, port: int) -> tuple[FakeReplica, grpc.Server]:
+async def start_fake(name: str, port: int) -> tuple[FakeReplica, grpc.aio.Server]:
     fake = FakeReplica(name)
-    server, health = grpc_common.start_server(fake, "127.0.0.1", port, max_workers=16)
-    grpc_common.set_serving(health, True)
+    server, health = await grpc_common.start_server(fake, "127.0.0.1", port)
+    await grpc_common.set_serving(health, True)
     return fake, server

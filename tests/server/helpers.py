@@ -75,7 +75,10 @@ def deployment_processes(name: str, registry_dir: str) -> list[int]:
             continue
         if b"mii_server.launch" not in argv or b"--config" not in argv:
             continue
-        spec = decode(argv[argv.index(b"--config") + 1].decode())
+        try:
+            spec = decode(argv[argv.index(b"--config") + 1].decode())
+        except ValueError:  # a process of another checkout, whose config this code does not know
+            continue
         same = spec.deployment.deployment_name == name and spec.deployment.registry_dir == registry_dir
         if same and pid_alive(int(entry.name)):
             found.append(int(entry.name))

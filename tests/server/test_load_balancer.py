@@ -14,24 +14,37 @@ from mii_server.serving.frontends.client import Client
 from mii_server.serving.routing.load_balancer import LoadBalancer
 from mii_server.wire import generation_pb2 as pb
 
+from .background_loop import BackgroundLoop
 from .fakes import FakeReplica, start_fake
 from .helpers import free_port_block, wait_for
 
 
+async def _start_balancer(addresses: list[str], port: int, replica_wait_s: float = 0.0):
+    balancer = LoadBalancer(addresses, replica_wait_s=replica_wait_s)
+    server, health = await grpc_common.start_server(balancer, "127.0.0.1", port)
+    await grpc_common.set_serving(health, True)
+    return balancer, server
+
+
 @pytest.fixture()
-def cluster() -> Iterator[tuple[Client, LoadBalancer, list[FakeReplica], list]]:
+def bg() -> Iterator[BackgroundLoop]:
+    loop = BackgroundLoop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture()
+def cluster(bg: BackgroundLoop) -> Iterator[tuple[Client, LoadBalancer, list[FakeReplica], list]]:
     base = free_port_block(3)
-    fakes, servers = zip(*(start_fake(f"r{i}", base + 1 + i) for i in range(2)), strict=True)
-    balancer = LoadBalancer([f"127.0.0.1:{base + 1}", f"127.0.0.1:{base + 2}"])
-    server, health = grpc_common.start_server(balancer, "127.0.0.1", base, max_workers=32)
-    grpc_common.set_serving(health, True)
+    fakes, servers = zip(*(bg.run(start_fake(f"r{i}", base + 1 + i)) for i in range(2)), strict=True)
+    balancer, server = bg.run(_start_balancer([f"127.0.0.1:{base + 1}", f"127.0.0.1:{base + 2}"], base))
     client = Client(f"127.0.0.1:{base}")
     yield client, balancer, list(fakes), list(servers)
     client.close()
-    server.stop(0)
+    bg.run(server.stop(0))
     for s in servers:
-        s.stop(0)
-    balancer.close()
+        bg.run(s.stop(0))
+    bg.run(balancer.close())
 
 
 def test_prompts_are_spread_per_prompt_and_reassembled_in_order(cluster) -> None:
@@ -59,9 +72,9 @@ def test_streaming_several_prompts_merges_chunks_in_order_per_prompt(cluster) ->
     assert texts == {0: "alpha@r0", 1: "be@r1", 2: "gamma!@r0"}
 
 
-def test_a_down_replica_is_skipped(cluster) -> None:
+def test_a_down_replica_is_skipped(cluster, bg) -> None:
     client, balancer, _, servers = cluster
-    servers[1].stop(0).wait()
+    bg.run(servers[1].stop(0))
     out = client.generate([f"q{i}" for i in range(4)])  # the first call finds r1 down and retries on r0
     assert all(r.generated_text.endswith("@r0") for r in out)
     assert not balancer.router.is_up(1)
@@ -69,7 +82,7 @@ def test_a_down_replica_is_skipped(cluster) -> None:
     assert {c.generated_text for c in stream} <= set("abcd@r0")
     health = client.stats()
     assert [s.healthy for s in health] == [True, False]
-    servers[0].stop(0).wait()
+    bg.run(servers[0].stop(0))
     with pytest.raises(ReplicaUnavailable):
         client.generate(["x"])
 
@@ -146,23 +159,21 @@ def test_many_threads_share_one_client(cluster) -> None:
     assert len(fakes[0].prompts) == len(fakes[1].prompts) == 10
 
 
-def test_a_request_waits_for_a_restarting_replica() -> None:
+def test_a_request_waits_for_a_restarting_replica(bg: BackgroundLoop) -> None:
     base = free_port_block(2)
-    _, server = start_fake("r0", base + 1)
-    balancer = LoadBalancer([f"127.0.0.1:{base + 1}"], replica_wait_s=60.0)
-    front, health = grpc_common.start_server(balancer, "127.0.0.1", base, max_workers=8)
-    grpc_common.set_serving(health, True)
+    _, server = bg.run(start_fake("r0", base + 1))
+    balancer, front = bg.run(_start_balancer([f"127.0.0.1:{base + 1}"], base, replica_wait_s=60.0))
     client = Client(f"127.0.0.1:{base}")
     try:
-        server.stop(0).wait()  # the only replica dies
+        bg.run(server.stop(0))  # the only replica dies
         result: dict[str, object] = {}
         waiting = threading.Thread(target=lambda: result.update(out=client.generate(["back?"])))
         waiting.start()
         wait_for(lambda: not balancer.router.is_up(0), 30, "the request to find the replica down")
-        _, server = start_fake("r0", base + 1)  # the supervisor restarted it
+        _, server = bg.run(start_fake("r0", base + 1))  # the supervisor restarted it
 
         def monitor_sees_it() -> bool:  # what the health monitor does every half second
-            balancer.probe_replicas()
+            bg.run(balancer.probe_replicas())
             return balancer.router.is_up(0)
 
         wait_for(monitor_sees_it, 30, "the restarted replica to answer health")
@@ -170,6 +181,6 @@ def test_a_request_waits_for_a_restarting_replica() -> None:
         assert [r.generated_text for r in result["out"]] == ["back?@r0"]
     finally:
         client.close()
-        front.stop(0)
-        server.stop(0)
-        balancer.close()
+        bg.run(front.stop(0))
+        bg.run(server.stop(0))
+        bg.run(balancer.close())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import grpc
 import pytest
 
@@ -11,6 +13,7 @@ from mii_server.serving.status import abort_rpc, error_from_rpc, grpc_status_of,
 from mii_server.wire import generation_pb2 as pb
 from mii_server.wire import generation_pb2_grpc
 
+from .background_loop import BackgroundLoop
 from .helpers import free_port_block
 
 CASES = [
@@ -34,14 +37,21 @@ class Raiser(generation_pb2_grpc.GenerationServicer):
     def __init__(self) -> None:
         self.exc: Exception = RuntimeError()
 
-    def Generate(self, request, context):
-        abort_rpc(context, self.exc)
+    async def Generate(self, request, context):
+        await abort_rpc(context, self.exc)
 
 
-def test_types_and_messages_survive_the_wire() -> None:
+@pytest.fixture()
+def bg() -> Iterator[BackgroundLoop]:
+    loop = BackgroundLoop()
+    yield loop
+    loop.close()
+
+
+def test_types_and_messages_survive_the_wire(bg: BackgroundLoop) -> None:
     raiser = Raiser()
     port = free_port_block(1)
-    server, _ = grpc_common.start_server(raiser, "127.0.0.1", port, max_workers=2)
+    server, _ = bg.run(grpc_common.start_server(raiser, "127.0.0.1", port))
     try:
         stub = generation_pb2_grpc.GenerationStub(grpc_common.channel(f"127.0.0.1:{port}"))
         for exc, code, _ in CASES:
@@ -55,7 +65,7 @@ def test_types_and_messages_survive_the_wire() -> None:
             else:
                 assert type(back) is errors.MIIServerError and "bug" in str(back)
     finally:
-        server.stop(0)
+        bg.run(server.stop(0))
 
 
 def test_unreachable_server_is_replica_unavailable() -> None:
@@ -67,11 +77,11 @@ def test_unreachable_server_is_replica_unavailable() -> None:
     assert isinstance(err, errors.ReplicaUnavailable) and f"127.0.0.1:{port}" in str(err)
 
 
-def test_second_server_on_a_used_port_fails() -> None:
+def test_second_server_on_a_used_port_fails(bg: BackgroundLoop) -> None:
     port = free_port_block(1)
-    server, _ = grpc_common.start_server(Raiser(), "127.0.0.1", port, max_workers=2)
+    server, _ = bg.run(grpc_common.start_server(Raiser(), "127.0.0.1", port))
     try:
         with pytest.raises(OSError, match=str(port)):
-            grpc_common.start_server(Raiser(), "127.0.0.1", port, max_workers=2)
+            bg.run(grpc_common.start_server(Raiser(), "127.0.0.1", port))
     finally:
-        server.stop(0)
+        bg.run(server.stop(0))

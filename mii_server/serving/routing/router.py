@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Collection
 
 from ...errors import ReplicaUnavailable
@@ -12,14 +11,13 @@ class RoundRobinRouter:
     """Assigns each prompt the next replica in turn; a 40-prompt request spreads over all replicas.
 
     Replicas start "up" (optimistic: a failed call marks one down and the caller retries elsewhere);
-    a health monitor marks them up or down as it observes them. Thread-safe.
+    a health monitor marks them up or down as it observes them. Plain Python with no locks: the load
+    balancer uses it from its one event loop.
     """
 
     def __init__(self, num_replicas: int) -> None:
         if num_replicas < 1:
             raise ValueError("a router needs at least one replica")
-        self._lock = threading.Lock()
-        self._came_up = threading.Condition(self._lock)  # notified when a replica is marked up
         self._next = 0  # counter over all prompts ever routed
         self._up = [True] * num_replicas
         self._routed = [0] * num_replicas  # prompts sent to each replica slot
@@ -29,31 +27,19 @@ class RoundRobinRouter:
         return len(self._up)
 
     def mark(self, replica: int, up: bool) -> None:
-        with self._lock:
-            self._up[replica] = up
-            if up:
-                self._came_up.notify_all()
-
-    def wait_any_up(self, timeout: float) -> bool:
-        """Block until some replica is marked up (True) or ``timeout`` seconds pass (False)."""
-        with self._lock:
-            return self._came_up.wait_for(lambda: any(self._up), timeout=max(0.0, timeout))
+        self._up[replica] = up
 
     def is_up(self, replica: int) -> bool:
-        with self._lock:
-            return self._up[replica]
+        return self._up[replica]
 
     def any_up(self) -> bool:
-        with self._lock:
-            return any(self._up)
+        return any(self._up)
 
     def all_up(self) -> bool:
-        with self._lock:
-            return all(self._up)
+        return all(self._up)
 
     def routed(self, replica: int) -> int:
-        with self._lock:
-            return self._routed[replica]
+        return self._routed[replica]
 
     def assign(self, num_prompts: int, exclude: Collection[int] = ()) -> list[int]:
         """The replica for each of ``num_prompts`` prompts, in order.
@@ -62,18 +48,17 @@ class RoundRobinRouter:
         behind a restart). Replicas in ``exclude`` (already failed for this request) are never chosen;
         when that leaves none, raises ``ReplicaUnavailable``.
         """
-        with self._lock:
-            allowed = [i for i in range(len(self._up)) if i not in exclude]
-            if not allowed:
-                raise ReplicaUnavailable("no replica can take the request: every replica is down")
-            candidates = [i for i in allowed if self._up[i]] or allowed
-            out = []
-            for _ in range(num_prompts):
-                replica = candidates[self._next % len(candidates)]
-                self._next += 1
-                self._routed[replica] += 1
-                out.append(replica)
-            return out
+        allowed = [i for i in range(len(self._up)) if i not in exclude]
+        if not allowed:
+            raise ReplicaUnavailable("no replica can take the request: every replica is down")
+        candidates = [i for i in allowed if self._up[i]] or allowed
+        out = []
+        for _ in range(num_prompts):
+            replica = candidates[self._next % len(candidates)]
+            self._next += 1
+            self._routed[replica] += 1
+            out.append(replica)
+        return out
 
 
 def group_by_replica(prompt_indices: list[int], replicas: list[int]) -> dict[int, list[int]]:
