@@ -11,10 +11,10 @@ from mii_server.errors import CapacityExceeded, InvalidRequest, ReplicaUnavailab
 from mii_server.generation.response import FinishReason
 from mii_server.serving import grpc_common
 from mii_server.serving.frontends.client import Client
+from mii_server.serving.frontends.loop_thread import LoopThread
 from mii_server.serving.routing.load_balancer import LoadBalancer
 from mii_server.wire import generation_pb2 as pb
 
-from .background_loop import BackgroundLoop
 from .fakes import FakeReplica, start_fake
 from .helpers import free_port_block, wait_for
 
@@ -27,14 +27,14 @@ async def _start_balancer(addresses: list[str], port: int, replica_wait_s: float
 
 
 @pytest.fixture()
-def bg() -> Iterator[BackgroundLoop]:
-    loop = BackgroundLoop()
+def bg() -> Iterator[LoopThread]:
+    loop = LoopThread()
     yield loop
     loop.close()
 
 
 @pytest.fixture()
-def cluster(bg: BackgroundLoop) -> Iterator[tuple[Client, LoadBalancer, list[FakeReplica], list]]:
+def cluster(bg: LoopThread) -> Iterator[tuple[Client, LoadBalancer, list[FakeReplica], list]]:
     base = free_port_block(3)
     fakes, servers = zip(*(bg.run(start_fake(f"r{i}", base + 1 + i)) for i in range(2)), strict=True)
     balancer, server = bg.run(_start_balancer([f"127.0.0.1:{base + 1}", f"127.0.0.1:{base + 2}"], base))
@@ -159,7 +159,7 @@ def test_many_threads_share_one_client(cluster) -> None:
     assert len(fakes[0].prompts) == len(fakes[1].prompts) == 10
 
 
-def test_a_request_waits_for_a_restarting_replica(bg: BackgroundLoop) -> None:
+def test_a_request_waits_for_a_restarting_replica(bg: LoopThread) -> None:
     base = free_port_block(2)
     _, server = bg.run(start_fake("r0", base + 1))
     balancer, front = bg.run(_start_balancer([f"127.0.0.1:{base + 1}"], base, replica_wait_s=60.0))

@@ -332,7 +332,8 @@ def test_client_disconnect_mid_stream_frees_kv_blocks(deployment: Deployment) ->
     replica_url = f"http://127.0.0.1:{deployment.metrics_port}/metrics"
     before = _metrics(replica_url)
     (idle,) = deployment.client.stats()
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    # as long as the demo model's context allows, so the stream is still running when the client leaves
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
     reply = requests.post(
         deployment.base_url + "/v1/completions",
         json=body,
@@ -342,12 +343,10 @@ def test_client_disconnect_mid_stream_frees_kv_blocks(deployment: Deployment) ->
     )
     try:
         assert reply.status_code == 200
-        data: list[bytes] = []
-        for line in reply.iter_lines():
-            if line.startswith(b"data: "):
-                data.append(line)
-            if len(data) == 3:
-                break
+        lines = reply.iter_lines()
+        while not next(lines).startswith(b"data: "):
+            pass
+        # why before leaving the loop: dropping the line iterator closes the connection at once
         (busy,) = deployment.client.stats()
         # why not running == 1: the engine's running count is read without a lock and can flicker to 0 mid-step
         assert busy.free_blocks < idle.free_blocks  # the stream holds KV blocks
@@ -365,4 +364,4 @@ def test_client_disconnect_mid_stream_frees_kv_blocks(deployment: Deployment) ->
     generated = _sample(after, "mii_server:generation_tokens_total", replica="0") - _sample(
         before, "mii_server:generation_tokens_total", replica="0"
     )
-    assert 3 <= generated < 1500
+    assert 1 <= generated < 2000

@@ -9,11 +9,11 @@ import pytest
 
 from mii_server import errors
 from mii_server.serving import grpc_common
+from mii_server.serving.frontends.loop_thread import LoopThread
 from mii_server.serving.status import abort_rpc, error_from_rpc, grpc_status_of, http_status_of
 from mii_server.wire import generation_pb2 as pb
 from mii_server.wire import generation_pb2_grpc
 
-from .background_loop import BackgroundLoop
 from .helpers import free_port_block
 
 CASES = [
@@ -42,13 +42,13 @@ class Raiser(generation_pb2_grpc.GenerationServicer):
 
 
 @pytest.fixture()
-def bg() -> Iterator[BackgroundLoop]:
-    loop = BackgroundLoop()
+def bg() -> Iterator[LoopThread]:
+    loop = LoopThread()
     yield loop
     loop.close()
 
 
-def test_types_and_messages_survive_the_wire(bg: BackgroundLoop) -> None:
+def test_types_and_messages_survive_the_wire(bg: LoopThread) -> None:
     raiser = Raiser()
     port = free_port_block(1)
     server, _ = bg.run(grpc_common.start_server(raiser, "127.0.0.1", port))
@@ -77,7 +77,7 @@ def test_unreachable_server_is_replica_unavailable() -> None:
     assert isinstance(err, errors.ReplicaUnavailable) and f"127.0.0.1:{port}" in str(err)
 
 
-def test_second_server_on_a_used_port_fails(bg: BackgroundLoop) -> None:
+def test_second_server_on_a_used_port_fails(bg: LoopThread) -> None:
     port = free_port_block(1)
     server, _ = bg.run(grpc_common.start_server(Raiser(), "127.0.0.1", port))
     try:

@@ -16,6 +16,9 @@ from ...config import ModelConfig, merge_mii_config_dicts
 from ...errors import InvalidRequest, UnknownArgument
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+REST_THREAD_HEADROOM = 64  # threads beyond admission: health, metrics, and requests about to be refused
+UNBOUNDED_QUEUE_THREADS = 1024  # what an unbounded replica queue counts as, for sizing the REST gateway
+MAX_REST_THREADS = 16384
 
 DeviceMap = Literal["auto"] | int | list[int] | list[list[int]] | dict[str, list[list[int]]]
 
@@ -46,8 +49,13 @@ class DeploymentConfig(BaseModel):
     enable_restful_api: bool = Field(default=False, description="Start the REST gateway.")
     restful_api_host: str = Field(default="127.0.0.1", description="Address the REST gateway binds.")
     restful_api_port: int = Field(default=28080, ge=1, le=65535, description="REST gateway's HTTP port.")
-    restful_api_threads: int = Field(
-        default=32, ge=1, le=1024, description="Worker threads of the REST gateway's WSGI server (waitress)."
+    restful_api_threads: int | None = Field(
+        default=None,
+        ge=1,
+        le=16384,
+        description="Threads of the REST gateway's WSGI server (waitress; an in-flight request holds one while "
+        "it waits). None sizes it from admission: every prompt the replicas can run or queue "
+        "(replica_num * (max_ragged_sequence_count + max_queued_requests)) plus headroom.",
     )
     enable_openai_api: bool = Field(default=False, description="Start the OpenAI-compatible HTTP server.")
     openai_api_host: str = Field(
@@ -55,9 +63,6 @@ class DeploymentConfig(BaseModel):
     )
     openai_api_port: int = Field(
         default=8000, ge=1, le=65535, description="OpenAI-compatible server's HTTP port."
-    )
-    openai_api_threads: int = Field(
-        default=32, ge=1, le=1024, description="Worker threads of the OpenAI-compatible server (waitress)."
     )
     served_model_name: str = Field(
         default="",
@@ -203,6 +208,15 @@ class DeploymentConfig(BaseModel):
         if not self.enable_openai_api:
             return None
         return f"http://{self.openai_api_host}:{self.openai_api_port}/v1"
+
+    @property
+    def rest_gateway_threads(self) -> int:
+        """The REST gateway's thread count: given, or enough for every prompt admission lets in."""
+        if self.restful_api_threads is not None:
+            return self.restful_api_threads
+        queued = self.max_queued_requests if self.max_queued_requests is not None else UNBOUNDED_QUEUE_THREADS
+        per_replica = self.model.max_ragged_sequence_count + queued
+        return min(MAX_REST_THREADS, self.replica_num * per_replica + REST_THREAD_HEADROOM)
 
     @property
     def served_model(self) -> str:

@@ -128,12 +128,6 @@ class Client:
             raise error_from_rpc(err, self.address) from None
         return convert.chat_prompt_from_proto(reply)
 
-    def open_stream(self, prompts: list[str], params: GenerateParams, *, request_id: str = "") -> StreamCall:
-        """Start a streaming request with already validated ``params``; the result can be cancelled from
-        any thread (what an HTTP server needs when its client disconnects)."""
-        request = convert.request_to_proto(_prompt_list(prompts), params, request_id)
-        return StreamCall(self._stub.GenerateStream(request, timeout=self.timeout), self.address)
-
     def stats(self, timeout: float = 30.0) -> list[ReplicaStats]:
         """Counters of every replica (down ones have ``healthy=False``)."""
         try:
@@ -189,7 +183,13 @@ class Client:
 
     def close(self) -> None:
         self._channel.close()
-        self._aio = None  # an aio channel is closed by its own loop's shutdown
+        self._aio = None  # an aio channel is closed by its own loop's shutdown (or by aclose)
+
+    async def aclose(self) -> None:
+        """Close both channels, from the event loop that used the async methods."""
+        if self._aio is not None:
+            await self._aio[1].close()
+        self.close()
 
     def __enter__(self) -> Client:  # noqa: PYI034 - typing.Self needs Python 3.11
         return self
@@ -198,9 +198,11 @@ class Client:
         self.close()
 
     # ---- asyncio ----------------------------------------------------------------------------
-    async def agenerate(self, prompts: str | list[str], **generate_kwargs: Any) -> list[Response]:
-        """Async twin of ``generate``."""
-        prompt_list, request = self._request(prompts, generate_kwargs)
+    async def agenerate(
+        self, prompts: str | list[str], *, request_id: str = "", **generate_kwargs: Any
+    ) -> list[Response]:
+        """Async twin of ``generate``; cancelling the awaiting task cancels the request on the server."""
+        prompt_list, request = self._request(prompts, generate_kwargs, request_id)
         if not prompt_list:
             return []
         try:
@@ -210,10 +212,10 @@ class Client:
         return convert.reply_from_proto(reply, len(prompt_list))
 
     def agenerate_stream(
-        self, prompts: str | list[str], **generate_kwargs: Any
+        self, prompts: str | list[str], *, request_id: str = "", **generate_kwargs: Any
     ) -> AsyncIterator[StreamChunk]:
         """Async twin of ``generate_stream`` (``async for chunk in client.agenerate_stream(...)``)."""
-        prompt_list, request = self._request(prompts, generate_kwargs)
+        prompt_list, request = self._request(prompts, generate_kwargs, request_id)
         return self._astream(request, bool(prompt_list))
 
     async def _astream(self, request: pb.GenerateRequest, any_prompt: bool) -> AsyncIterator[StreamChunk]:
@@ -227,6 +229,30 @@ class Client:
             raise error_from_rpc(err, self.address) from None
         finally:
             call.cancel()
+
+    def astream(
+        self, prompts: list[str], params: GenerateParams, *, request_id: str = ""
+    ) -> AsyncIterator[StreamChunk]:
+        """Stream with already validated ``params`` (what the HTTP front ends call). Closing the iterator,
+        or cancelling the task that reads it, cancels the call, which aborts its prompts on the replicas."""
+        return self._astream(convert.request_to_proto(_prompt_list(prompts), params, request_id), bool(prompts))
+
+    async def aapply_chat_template(self, messages: list[tuple[str, str]], *, request_id: str = "") -> str:
+        """Async twin of ``apply_chat_template``."""
+        request = convert.chat_request_to_proto(messages, add_generation_prompt=True, request_id=request_id)
+        try:
+            reply = await self._aio_stub().ApplyChatTemplate(request, timeout=self.timeout)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, self.address) from None
+        return convert.chat_prompt_from_proto(reply)
+
+    async def astats(self, timeout: float = 30.0) -> list[ReplicaStats]:
+        """Async twin of ``stats``."""
+        try:
+            reply = await self._aio_stub().Stats(pb.StatsRequest(), timeout=timeout)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, self.address) from None
+        return [convert.stats_from_proto(r) for r in reply.replicas]
 
     def _aio_stub(self) -> generation_pb2_grpc.GenerationStub:
         # why per loop: a grpc.aio channel belongs to the event loop that created it
@@ -243,22 +269,3 @@ class Client:
         prompt_list = _prompt_list(prompts)
         params = GenerateParams.from_kwargs(**kwargs)
         return prompt_list, convert.request_to_proto(prompt_list, params, request_id)
-
-
-class StreamCall:
-    """One GenerateStream RPC: iterate it for ``StreamChunk``s (typed errors on failure); ``cancel()`` from
-    any thread ends it and aborts its prompts on the replicas."""
-
-    def __init__(self, call: Any, address: str) -> None:
-        self._call = call
-        self._address = address
-
-    def __iter__(self) -> Iterator[StreamChunk]:
-        try:
-            for msg in self._call:
-                yield convert.chunk_from_proto(msg)
-        except grpc.RpcError as err:
-            raise error_from_rpc(err, self._address) from None
-
-    def cancel(self) -> None:
-        self._call.cancel()  # no-op after a clean end

@@ -1,26 +1,39 @@
-"""What every HTTP front end shares: API keys, request ids, and a ``/health`` that asks the replicas.
+"""What both HTTP front ends share: API keys, request ids, the access log and HTTP metrics, health, SSE.
 
-No torch, no Flask: the REST gateway and the OpenAI-compatible server both call these.
+No torch and no web framework: the REST gateway (Flask) and the OpenAI-compatible server (FastAPI)
+each adapt ``HttpInstrumentation`` to their framework's hooks in a few lines, so a request is
+identified, authenticated, logged and counted the same way whichever server it reaches.
 """
 
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import os
 import re
-import signal
+import time
 import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ...errors import InvalidRequest
-from .client import Client
+from ...wire.types import ReplicaStats
+from ..metrics import HttpMetrics
+
+log = logging.getLogger(__name__)
 
 API_KEY_ENV = "MII_SERVER_API_KEY"
 REQUEST_ID_HEADER = "X-Request-Id"
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 HEALTH_TIMEOUT_S = 2.0
+RETRY_AFTER_S = 1  # what a 503 tells the caller to wait
+UNAUTHENTICATED = frozenset({"/health", "/healthz"})  # probes need no key
+CLIENT_GONE_STATUS = 499  # nginx's "client closed request", for logs and metrics only
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE_DONE = "data: [DONE]\n\n"
 
 
 class ApiKeys:
@@ -67,12 +80,53 @@ def request_id_from(header: str | None) -> str:
     return uuid.uuid4().hex
 
 
-def deployment_health(client: Client) -> tuple[bool, dict[str, Any]]:
+@dataclass
+class RequestScope:
+    """One HTTP request as the instrumentation sees it."""
+
+    request_id: str
+    method: str
+    path: str
+    started: float = field(default_factory=time.monotonic)
+    failure: str = ""  # set by the handler: a short reason for the failure counter (error code)
+    finished: bool = False
+
+
+class HttpInstrumentation:
+    """Request ids, API keys, the access log line and the HTTP metrics of one front end."""
+
+    def __init__(self, keys: ApiKeys, metrics: HttpMetrics | None = None) -> None:
+        self.keys = keys
+        self.metrics = metrics or HttpMetrics()
+
+    def begin(self, method: str, path: str, request_id_header: str | None) -> RequestScope:
+        return RequestScope(request_id_from(request_id_header), method, path)
+
+    def authorized(self, scope: RequestScope, authorization: str | None) -> bool:
+        """Every route but the health probes needs a key once any key is configured."""
+        return scope.path in UNAUTHENTICATED or self.keys.allows(authorization)
+
+    def finish(self, scope: RequestScope, route: str, status: int) -> None:
+        """Count and log a request once, when its last byte is out (or its client is gone)."""
+        if scope.finished:
+            return
+        scope.finished = True
+        seconds = time.monotonic() - scope.started
+        reason = scope.failure or ("" if status < 400 else str(status))
+        self.metrics.finished(route, status, seconds, reason)
+        log.info(
+            "request_id=%s method=%s path=%s status=%d duration_s=%.3f%s",
+            scope.request_id,
+            scope.method,
+            route,
+            status,
+            seconds,
+            f" error={reason}" if reason else "",
+        )
+
+
+def deployment_health(replicas: Sequence[ReplicaStats]) -> tuple[bool, dict[str, Any]]:
     """(healthy, detail): healthy when at least one replica has its engine loaded and is routed to."""
-    try:
-        replicas = client.stats(timeout=HEALTH_TIMEOUT_S)
-    except Exception as err:  # noqa: BLE001 - any failure to reach the load balancer is "unhealthy"
-        return False, {"status": "unavailable", "error": f"load balancer unreachable: {err}"}
     healthy = sum(1 for r in replicas if r.healthy)
     detail = {
         "status": "ok" if healthy else "unavailable",
@@ -81,21 +135,15 @@ def deployment_health(client: Client) -> tuple[bool, dict[str, Any]]:
     return healthy > 0, detail
 
 
-def serve_wsgi(app: Any, host: str, port: int, threads: int, banner: str, **waitress_options: Any) -> None:
-    """Serve ``app`` with waitress (a production WSGI server) until SIGTERM or SIGINT."""
-    import waitress  # why here: only the HTTP roles need it
+def unreachable_health(err: BaseException) -> dict[str, Any]:
+    return {"status": "unavailable", "error": f"load balancer unreachable: {err}"}
 
-    server = waitress.create_server(app, host=host, port=port, threads=threads, ident="mii-server", **waitress_options)
 
-    def _stop(*_: object) -> None:
-        raise SystemExit(0)
+def error_headers(status: int) -> dict[str, str]:
+    """Headers an error reply carries: ``Retry-After`` on 503 (overloaded or no replica up)."""
+    return {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else {}
 
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    logging.getLogger(__name__).info("%s", banner)
-    try:
-        server.run()
-    except SystemExit:
-        pass
-    finally:
-        server.close()
+
+def sse_event(body: Any, event: str | None = None) -> str:
+    """One server-sent event carrying ``body`` as JSON."""
+    return (f"event: {event}\n" if event else "") + f"data: {json.dumps(body)}\n\n"

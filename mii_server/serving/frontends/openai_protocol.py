@@ -1,6 +1,8 @@
 """OpenAI request bodies in, our ``GenerateParams`` out; our chunks in, OpenAI response bodies out.
 
-Plain Python (no Flask, no gRPC), so every mapping rule is unit-tested without a server:
+Request bodies are pydantic models (strict: ``"5"`` is not a number, ``true`` is not an integer);
+plain Python otherwise (no HTTP framework, no gRPC), so every mapping rule is unit-tested without a
+server:
 
 - ``temperature`` defaults to 1 and ``top_p`` to 1 (OpenAI's defaults, not MII's); ``temperature=0`` is
   greedy decoding.
@@ -17,7 +19,18 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+)
 
 from ...errors import InvalidRequest, MIIServerError
 from ...generation.params import GenerateParams
@@ -30,38 +43,7 @@ log = logging.getLogger(__name__)
 MAX_N = 128
 SEED_MODULUS = 2**63  # GenerateParams.seed's range
 
-_COMMON_FIELDS = {
-    "model",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "n",
-    "stop",
-    "seed",
-    "stream",
-    "stream_options",
-    "user",
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-    "logprobs",
-    "top_k",
-    "min_tokens",
-    "ignore_eos",
-    "stop_token_ids",
-}
-_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
-_CHAT_FIELDS = _COMMON_FIELDS | {
-    "messages",
-    "max_completion_tokens",
-    "top_logprobs",
-    "tools",
-    "tool_choice",
-    "functions",
-    "function_call",
-    "response_format",
-    "parallel_tool_calls",
-}
+Number = Annotated[float, Field(strict=True)]  # strict floats still take ints
 
 
 class ApiError(Exception):
@@ -110,6 +92,100 @@ def api_error_of(exc: BaseException) -> ApiError:
         return ApiError(503, str(exc), "service_unavailable_error", None, kind)
     message = str(exc) if isinstance(exc, MIIServerError) else f"internal error: {type(exc).__name__}"
     return ApiError(500, message, "internal_server_error", None, "internal_error")
+
+
+def _unsupported(name: str, detail: str = "") -> ApiError:
+    return bad_request(
+        f"'{name}' is not supported by this server{': ' + detail if detail else ''}",
+        param=name,
+        code="unsupported_parameter",
+    )
+
+
+# ---- request bodies -----------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: StrictBool = False
+
+
+class TextPart(BaseModel):
+    """A content part of a chat message; only text is understood."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: StrictStr
+    text: StrictStr | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: accepted, not used
+
+    role: StrictStr
+    content: StrictStr | list[TextPart] | None = None
+
+
+class _CommonRequest(BaseModel):
+    """Fields both endpoints share (OpenAI's names, and vLLM's extensions)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: Number | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: Number | None = Field(default=None, gt=0.0, le=1.0)
+    n: StrictInt | None = Field(default=None, ge=1, le=MAX_N)
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: StrictInt | None = Field(default=None, ge=-(2**63), lt=2**64)
+    stream: StrictBool | None = None
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    logit_bias: dict[str, Any] | None = None
+    # vLLM's extensions
+    top_k: StrictInt | None = None
+    min_tokens: StrictInt | None = Field(default=None, ge=0)
+    ignore_eos: StrictBool | None = None
+    stop_token_ids: list[StrictInt] | None = None
+
+
+class CompletionRequest(_CommonRequest):
+    prompt: Any = None  # checked by _prompts: a string or a non-empty list of strings
+    echo: StrictBool | None = None
+    suffix: StrictStr | None = None
+    best_of: StrictInt | None = None
+    logprobs: StrictInt | None = None
+
+
+class ChatCompletionRequest(_CommonRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages_are_a_list(cls, value: Any) -> Any:
+        if not isinstance(value, list) or not value:
+            raise ValueError("must be a non-empty list of {role, content} objects")
+        return value
+
+
+def _validation_error(err: ValidationError) -> ApiError:
+    first = err.errors()[0]
+    loc = [str(p) for p in first["loc"]]
+    param = loc[0] if loc else None
+    where = ".".join(loc) or "body"
+    return bad_request(f"'{where}': {first['msg']} (got {first.get('input')!r})", param=param)
 
 
 # ---- parsing ------------------------------------------------------------------------------------
@@ -169,155 +245,94 @@ class Plan:
         return GenerateParams.from_kwargs(**kwargs)  # validated once already in parse
 
 
-def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], what: str) -> Any:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        raise bad_request(f"'{name}' must be {what}, not {value!r}", param=name)
-    return value
-
-
-def _number(body: dict[str, Any], name: str, low: float, high: float, low_open: bool = False) -> float | None:
-    value = _get(body, name, (int, float), "a number")
-    if value is None:
-        return None
-    if not (low < value if low_open else low <= value) or value > high:
-        interval = f"{'(' if low_open else '['}{low}, {high}]"
-        raise bad_request(f"'{name}' must be in {interval}, not {value}", param=name)
-    return float(value)
-
-
-def _unsupported(name: str, detail: str = "") -> ApiError:
-    return bad_request(
-        f"'{name}' is not supported by this server{': ' + detail if detail else ''}",
-        param=name,
-        code="unsupported_parameter",
-    )
-
-
 def parse(body: Any, *, chat: bool, served_model: str) -> Plan:
     """Validate an OpenAI request body (``ApiError`` 400 or 404) into a ``Plan``."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
-    known = _CHAT_FIELDS if chat else _COMPLETION_FIELDS
-    ignored = sorted(set(body) - known)
-    if ignored:
-        log.warning("ignoring unknown request fields: %s", ", ".join(ignored))
-
-    model = _get(body, "model", (str,), "a string")
-    if model is not None and model != served_model:
-        raise ApiError(
-            404, f"The model `{model}` does not exist.", "not_found_error", "model", "model_not_found"
-        )
-
-    stream = _get(body, "stream", (bool,), "true or false") or False
-    stream_options = _get(body, "stream_options", (dict,), "an object")
-    if stream_options is not None and not stream:
+    try:
+        req = ChatCompletionRequest.model_validate(body) if chat else CompletionRequest.model_validate(body)
+    except ValidationError as err:
+        raise _validation_error(err) from None
+    if req.model_extra:
+        log.warning("ignoring unknown request fields: %s", ", ".join(sorted(req.model_extra)))
+    if req.model is not None and req.model != served_model:
+        raise ApiError(404, f"The model `{req.model}` does not exist.", "not_found_error", "model", "model_not_found")
+    if req.stream_options is not None and not req.stream:
         raise bad_request("'stream_options' can only be given when 'stream' is true", param="stream_options")
-    include_usage = bool(stream_options and stream_options.get("include_usage"))
-
-    n = _get(body, "n", (int,), "an integer")
-    n = 1 if n is None else n
-    if not 1 <= n <= MAX_N:
-        raise bad_request(f"'n' must be between 1 and {MAX_N}, not {n}", param="n")
-
-    _reject_unsupported(body, chat)
+    _reject_unsupported(req)
 
     kwargs: dict[str, Any] = {}
-    max_name = (
-        "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    )
-    max_tokens = _get(body, max_name, (int,), "an integer")
+    max_name, max_tokens = "max_tokens", req.max_tokens
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        max_name, max_tokens = "max_completion_tokens", req.max_completion_tokens
     if max_tokens is None and not chat:
         max_tokens = 16  # OpenAI's default for completions; chat runs to the context's end
     if max_tokens is not None:
-        if max_tokens < 1:
-            raise bad_request(f"'{max_name}' must be at least 1, not {max_tokens}", param=max_name)
         kwargs["max_new_tokens"] = max_tokens
         kwargs["truncate_max_new_tokens"] = False  # as OpenAI and vLLM: a request past the context is a 400
 
-    temperature = _number(body, "temperature", 0.0, 2.0)
-    temperature = 1.0 if temperature is None else temperature
-    top_p = _number(body, "top_p", 0.0, 1.0, low_open=True)
+    temperature = 1.0 if req.temperature is None else req.temperature
     if temperature == 0.0:
         kwargs["do_sample"] = False
     else:
-        kwargs.update(do_sample=True, temperature=temperature, top_p=1.0 if top_p is None else top_p)
-
-    stop = body.get("stop")
-    if stop is not None:
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise bad_request("'stop' must be a string or a list of strings", param="stop")
-        kwargs["stop"] = stop
-
-    top_k = _get(body, "top_k", (int,), "an integer")
-    if top_k is not None and top_k > 0:  # vLLM: -1 or 0 disables
-        kwargs["top_k"] = top_k
-    min_tokens = _get(body, "min_tokens", (int,), "an integer")
-    if min_tokens:
-        kwargs["min_new_tokens"] = min_tokens
-    if _get(body, "ignore_eos", (bool,), "true or false"):
+        kwargs.update(do_sample=True, temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p)
+    if req.stop is not None:
+        kwargs["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    if req.top_k is not None and req.top_k > 0:  # vLLM: -1 or 0 disables
+        kwargs["top_k"] = req.top_k
+    if req.min_tokens:
+        kwargs["min_new_tokens"] = req.min_tokens
+    if req.ignore_eos:
         kwargs["ignore_eos"] = True
-    stop_ids = _get(body, "stop_token_ids", (list,), "a list of token ids")
-    if stop_ids:
-        kwargs["stop_token_ids"] = stop_ids
-
-    seed = _get(body, "seed", (int,), "an integer")
-    if seed is not None:
-        if not -(2**63) <= seed < 2**64:
-            raise bad_request("'seed' must fit in 64 bits", param="seed")
-        seed %= SEED_MODULUS
+    if req.stop_token_ids:
+        kwargs["stop_token_ids"] = list(req.stop_token_ids)
+    seed = None if req.seed is None else req.seed % SEED_MODULUS
 
     try:  # every other range check (stop count, min <= max, ...) is GenerateParams'
         GenerateParams.from_kwargs(**kwargs, **({"seed": seed} if seed is not None else {}))
     except InvalidRequest as err:
-        raise bad_request(str(err)) from None
+        raise bad_request(str(err), param=max_name if "max_" in str(err) else None) from None
 
     plan = Plan(
         chat=chat,
         model=served_model,
-        n=n,
-        stream=stream,
-        include_usage=include_usage,
+        n=req.n or 1,
+        stream=bool(req.stream),
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
         echo=False,
         kwargs=kwargs,
         seed=seed,
     )
-    if chat:
-        plan.messages = _messages(body.get("messages"))
+    if isinstance(req, ChatCompletionRequest):
+        plan.messages = _messages(req.messages)
     else:
-        plan.prompts = _prompts(body.get("prompt"))
-        plan.echo = bool(_get(body, "echo", (bool,), "true or false"))
+        plan.prompts = _prompts(req.prompt)
+        plan.echo = bool(req.echo)
     return plan
 
 
-def _reject_unsupported(body: dict[str, Any], chat: bool) -> None:
-    if chat:
-        if body.get("logprobs") or body.get("top_logprobs") is not None:
+def _reject_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
+    if isinstance(req, ChatCompletionRequest):
+        if req.logprobs or req.top_logprobs is not None:
             raise _unsupported("logprobs", "the engine does not return log probabilities")
-        if body.get("tools") or body.get("functions"):
+        if req.tools or req.functions:
             raise _unsupported("tools", "no tool calling")
-        if body.get("tool_choice") not in (None, "none", "auto"):
+        if req.tool_choice not in (None, "none", "auto"):
             raise _unsupported("tool_choice", "no tool calling")
-        fmt = body.get("response_format")
-        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        fmt = req.response_format
+        if fmt is not None and fmt.get("type") != "text":
             raise _unsupported("response_format", "no structured output")
     else:
-        if body.get("logprobs") is not None:
+        if req.logprobs is not None:
             raise _unsupported("logprobs", "the engine does not return log probabilities")
-        if body.get("suffix"):
+        if req.suffix:
             raise _unsupported("suffix")
-        best_of = body.get("best_of")
-        if best_of is not None and best_of != (body.get("n") or 1):
+        if req.best_of is not None and req.best_of != (req.n or 1):
             raise _unsupported("best_of")
     for name in ("presence_penalty", "frequency_penalty"):
-        value = body.get(name)
-        if value not in (None, 0, 0.0):
+        if getattr(req, name) not in (None, 0.0):
             raise _unsupported(name, "only 0 (no penalty)")
-    if body.get("logit_bias"):
+    if req.logit_bias:
         raise _unsupported("logit_bias")
 
 
@@ -331,32 +346,17 @@ def _prompts(prompt: Any) -> list[str]:
     raise bad_request("'prompt' must be a string or a non-empty list of strings", param="prompt")
 
 
-def _messages(messages: Any) -> list[tuple[str, str]]:
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("'messages' must be a non-empty list of {role, content} objects", param="messages")
+def _messages(messages: list[ChatMessage]) -> list[tuple[str, str]]:
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad_request(f"messages[{i}] must be an object with a string 'role'", param="messages")
-        content = m.get("content")
+        content = m.content
         if content is None:
             content = ""
         elif isinstance(content, list):  # content parts: only text is understood
-            texts = []
-            for part in content:
-                if (
-                    not isinstance(part, dict)
-                    or part.get("type") != "text"
-                    or not isinstance(part.get("text"), str)
-                ):
-                    raise _unsupported("messages", f"messages[{i}] has a non-text content part")
-                texts.append(part["text"])
-            content = "".join(texts)
-        elif not isinstance(content, str):
-            raise bad_request(
-                f"messages[{i}].content must be a string or a list of text parts", param="messages"
-            )
-        out.append((m["role"], content))
+            if any(part.type != "text" or part.text is None for part in content):
+                raise _unsupported("messages", f"messages[{i}] has a non-text content part")
+            content = "".join(part.text for part in content)
+        out.append((m.role, content))
     return out
 
 

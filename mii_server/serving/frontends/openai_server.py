@@ -1,40 +1,56 @@
 """The OpenAI-compatible server: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` over gRPC.
 
-Flask on waitress, like the REST gateway; no torch. Chat messages are rendered by a replica
-(``ApplyChatTemplate`` RPC: the replica holds the real tokenizer, so templates behave exactly as in
-``transformers`` and this process loads nothing), and usage is counted from the replicas' own prompt
-and output token counts. Every request becomes one or more ``GenerateStream`` calls to the load
-balancer (see ``openai_protocol.Plan.sub_requests``), pumped into one queue.
+An ASGI app (FastAPI on uvicorn, as MII's and vLLM's OpenAI servers are); no torch. Every request is
+a task on one event loop, and every upstream call an awaitable on the same loop, so thousands of open
+streams cost no thread each. Chat messages are rendered by a replica (``ApplyChatTemplate`` RPC: the
+replica holds the real tokenizer, so templates behave exactly as in ``transformers``), and usage is
+counted from the replicas' own prompt and output token counts. A request becomes one or more
+``GenerateStream`` calls to the load balancer (``openai_protocol.Plan.sub_requests``), merged into one
+queue.
 
-Disconnects: waitress runs with ``channel_request_lookahead=1``, so it keeps reading the socket while a
-request runs and notices a closed connection at once (``environ["waitress.client_disconnected"]``).
-While waiting for upstream chunks the handler polls that flag; when the client is gone, or waitress
-closes the response iterator, the upstream calls are cancelled, and the cancellation travels through
-the load balancer to the replicas, which abort the prompts and free their KV blocks.
+Disconnects: a non-streaming request races its upstream calls against the ASGI ``http.disconnect``
+message; a streaming one is cancelled by Starlette when the client leaves. Either way the upstream
+calls are cancelled, the cancellation travels through the load balancer to the replicas, and they
+abort the prompts and free their KV blocks.
 
-Routes other than ``/health`` and ``/healthz`` need ``Authorization: Bearer KEY`` once a key is set
-(``http_common.ApiKeys``). Every reply carries ``X-Request-Id`` (the caller's or a fresh one), and the
-id travels to the replicas' logs in ``GenerateRequest.request_id``.
+Routes other than ``/health`` and ``/healthz`` need ``Authorization: Bearer KEY`` once a key is set;
+every reply carries ``X-Request-Id`` (``http_common.HttpInstrumentation``, shared with the REST gateway).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-import queue
-import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
-from flask import Flask, Response, g, request
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ...errors import MIIServerError
 from ...wire.types import StreamChunk
 from ..control.deployment import DeploymentConfig
 from ..metrics import EngineStatsCollector, HttpMetrics, exposition
-from .client import Client, StreamCall
-from .http_common import REQUEST_ID_HEADER, ApiKeys, deployment_health, request_id_from, serve_wsgi
+from .client import Client
+from .http_common import (
+    CLIENT_GONE_STATUS,
+    HEALTH_TIMEOUT_S,
+    REQUEST_ID_HEADER,
+    SSE_DONE,
+    SSE_HEADERS,
+    ApiKeys,
+    HttpInstrumentation,
+    RequestScope,
+    deployment_health,
+    error_headers,
+    sse_event,
+    unreachable_health,
+)
 from .openai_protocol import (
     ApiError,
     Plan,
@@ -48,47 +64,260 @@ from .openai_protocol import (
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.1  # how often a waiting handler checks whether its client is still connected
-RETRY_AFTER_S = 1
-UNAUTHENTICATED = {"/health", "/healthz"}
+T = TypeVar("T")
+STOP_GRACE_S = 5.0
 
 
 class ClientGone(Exception):
     """The HTTP client closed its connection."""
 
 
+@dataclass
+class OpenAIServer:
+    """What every handler needs, kept on ``app.state.server``."""
+
+    client: Client  # talks to the load balancer; shared by every request
+    model: str  # the served model id
+    created: int  # the model's "created" timestamp
+    instrumentation: HttpInstrumentation
+
+
+def _server(request: Request) -> OpenAIServer:
+    return request.app.state.server
+
+
+def _scope(request: Request) -> RequestScope:
+    return request.scope["state"]["http"]
+
+
+def _error_response(err: ApiError, scope: RequestScope) -> JSONResponse:
+    scope.failure = err.reason
+    headers = error_headers(err.status)
+    if err.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(err.body(), err.status, headers=headers)
+
+
+class Instrumented:
+    """ASGI middleware: request id, API key, access log and HTTP metrics around every request (streams
+    are counted when their last byte is out, or when their client leaves)."""
+
+    def __init__(self, app: ASGIApp, instrumentation: HttpInstrumentation) -> None:
+        self.app = app
+        self.instrumentation = instrumentation
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        inst = self.instrumentation
+        http = inst.begin(scope["method"], scope["path"], headers.get(REQUEST_ID_HEADER.lower()))
+        scope.setdefault("state", {})["http"] = http
+        status = CLIENT_GONE_STATUS  # until a response starts
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", http.request_id.encode())]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                inst.finish(http, _route_of(scope), status)
+
+        try:
+            if not inst.authorized(http, headers.get("authorization")):
+                err = ApiError(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
+                               "authentication_error", None, "invalid_api_key")  # fmt: skip
+                await _error_response(err, http)(scope, receive, send_with_id)
+                return
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            http.failure = http.failure or "internal_error"
+            inst.finish(http, _route_of(scope), 500)
+            raise
+        finally:
+            if not http.finished:  # the response never completed: the client left first
+                http.failure = http.failure or "client_disconnected"
+                inst.finish(http, _route_of(scope), CLIENT_GONE_STATUS)
+
+
+def _route_of(scope: Scope) -> str:
+    """The matched route (bounded label values for metrics), not the raw path."""
+    route = scope.get("route")
+    return getattr(route, "path", "unmatched")
+
+
+# ---- handlers -------------------------------------------------------------------------------------
+
+
+async def healthz(request: Request) -> JSONResponse:
+    """This process is up (the supervisor's readiness probe)."""
+    return JSONResponse({"status": "ok"})
+
+
+async def health(request: Request) -> JSONResponse:
+    """The deployment can serve: at least one replica is loaded and routed to."""
+    try:
+        replicas = await _server(request).client.astats(timeout=HEALTH_TIMEOUT_S)
+    except Exception as err:  # noqa: BLE001 - any failure to reach the load balancer is "unhealthy"
+        return JSONResponse(unreachable_health(err), 503)
+    ok, detail = deployment_health(replicas)
+    return JSONResponse(detail, 200 if ok else 503)
+
+
+async def prometheus(request: Request) -> Response:
+    registry = _server(request).instrumentation.metrics.registry
+    # why a thread: the engine collector reads the replicas' stats with a blocking call
+    body, content_type = await asyncio.get_running_loop().run_in_executor(None, exposition, registry)
+    return Response(body, media_type=content_type)
+
+
+async def list_models(request: Request) -> JSONResponse:
+    server = _server(request)
+    return JSONResponse(models_body(server.model, server.created))
+
+
+async def get_model(request: Request, name: str) -> JSONResponse:
+    server = _server(request)
+    if name != server.model:
+        err = ApiError(404, f"The model `{name}` does not exist.", "not_found_error", "model", "model_not_found")
+        return _error_response(err, _scope(request))
+    return JSONResponse(model_body(server.model, server.created))
+
+
+async def completions(request: Request) -> Response:
+    return await _generate(request, chat=False)
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _generate(request, chat=True)
+
+
+async def _generate(request: Request, chat: bool) -> Response:
+    server = _server(request)
+    request_id = _scope(request).request_id
+    upstream: Upstream | None = None
+    try:
+        plan = parse(await _json_body(request), chat=chat, served_model=server.model)
+        if chat:
+            rendered = server.client.aapply_chat_template(plan.messages, request_id=request_id)
+            plan.prompts = [await _unless_gone(request, rendered)]
+        upstream = Upstream(server.client, plan, request_id)
+        events = upstream.events()
+        # why wait for the first chunk: an error before any output still gets its own status
+        first = await _unless_gone(request, anext(events, None))
+        builder = ResponseBuilder(plan, request_id)
+        if plan.stream:
+            return StreamingResponse(
+                _sse(request, plan, builder, first, events, upstream), media_type="text/event-stream", headers=SSE_HEADERS
+            )
+        if first is not None:
+            builder.add(*first)
+        await _unless_gone(request, _collect(builder, events))
+        upstream.close()
+        return JSONResponse(builder.whole())
+    except ClientGone:
+        if upstream is not None:
+            upstream.close()
+        _scope(request).failure = "client_disconnected"
+        return JSONResponse({}, CLIENT_GONE_STATUS)  # nobody reads it; the instrumentation counts it
+    except (ApiError, MIIServerError) as exc:
+        if upstream is not None:
+            upstream.close()
+        return _error_response(api_error_of(exc), _scope(request))
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):  # bad JSON, bad UTF-8, or nested too deep to parse
+        raise bad_request("the request body is not valid JSON") from None
+
+
+async def _collect(builder: ResponseBuilder, events: AsyncIterator[tuple[int, StreamChunk]]) -> None:
+    async for choice, chunk in events:
+        builder.add(choice, chunk)
+
+
+async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """``await work``, unless the client disconnects first (then ``ClientGone``; ``work`` is cancelled)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        raise ClientGone()
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has closed its connection (the request body is already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _sse(
+    request: Request,
+    plan: Plan,
+    builder: ResponseBuilder,
+    first: tuple[int, StreamChunk] | None,
+    events: AsyncIterator[tuple[int, StreamChunk]],
+    upstream: Upstream,
+) -> AsyncIterator[str]:
+    """The event stream; Starlette cancels it when the client leaves (then ``finally`` cancels upstream)."""
+    try:
+        if first is not None:
+            builder.add(*first)
+            for body in builder.chunk(*first):
+                yield sse_event(body)
+        async for choice, chunk in events:
+            builder.add(choice, chunk)
+            for body in builder.chunk(choice, chunk):
+                yield sse_event(body)
+        if plan.include_usage:
+            yield sse_event(builder.usage_chunk())
+    except (ApiError, MIIServerError) as exc:  # headers are sent: the error becomes the next event
+        err = api_error_of(exc)
+        _scope(request).failure = err.reason
+        yield sse_event(err.body())
+    finally:
+        upstream.close()  # no-op once every stream ended; aborts the prompts otherwise
+    yield SSE_DONE
+
+
 class Upstream:
     """The upstream streams of one HTTP request, merged into one queue of (choice index, chunk) events.
 
-    One pump thread per stream; ``cancel()`` (any thread) cancels them all. ``events()`` yields until
-    every stream has ended, raising the first upstream error, or ``ClientGone`` when ``gone()`` says so.
+    One task per stream; ``close()`` cancels them all. ``events()`` yields until every stream has
+    ended, raising the first upstream error.
     """
 
-    def __init__(self, calls: list[tuple[StreamCall, list[int]]], gone: Callable[[], bool]) -> None:
-        self._calls = calls
-        self._gone = gone
-        self._queue: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._active = len(calls)
-        for call, choices in calls:
-            threading.Thread(target=self._pump, args=(call, choices), daemon=True).start()
+    def __init__(self, client: Client, plan: Plan, request_id: str) -> None:
+        self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        subs = plan.sub_requests()
+        self._tasks = [
+            asyncio.ensure_future(self._pump(client.astream(s.prompts, s.params, request_id=request_id), s.choice_indices))
+            for s in subs
+        ]
+        self._active = len(self._tasks)
 
-    def _pump(self, call: StreamCall, choices: list[int]) -> None:
+    async def _pump(self, stream: AsyncIterator[StreamChunk], choices: list[int]) -> None:
         try:
-            for chunk in call:
-                self._queue.put(("chunk", (choices[chunk.prompt_index], chunk)))
-        except Exception as exc:  # noqa: BLE001 - handed to the HTTP thread, which maps it
-            self._queue.put(("error", exc))
+            async for chunk in stream:
+                self._queue.put_nowait(("chunk", (choices[chunk.prompt_index], chunk)))
+        except Exception as exc:  # noqa: BLE001 - handed to the handler, which maps it
+            self._queue.put_nowait(("error", exc))
             return
-        self._queue.put(("done", None))
+        self._queue.put_nowait(("done", None))
 
-    def events(self) -> Iterator[tuple[int, StreamChunk]]:
+    async def events(self) -> AsyncIterator[tuple[int, StreamChunk]]:
         while self._active:
-            try:
-                kind, payload = self._queue.get(timeout=POLL_S)
-            except queue.Empty:
-                if self._gone():
-                    raise ClientGone() from None
-                continue
+            kind, payload = await self._queue.get()
             if kind == "chunk":
                 yield payload
             elif kind == "done":
@@ -96,250 +325,67 @@ class Upstream:
             else:
                 raise payload
 
-    def cancel(self) -> None:
-        for call, _ in self._calls:
-            call.cancel()
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
 
 
-def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(json.dumps(body), status=status, mimetype="application/json", headers=headers)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = "not_found_error" if exc.status_code in (404, 405) else "invalid_request_error"
+    err = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind)
+    return _error_response(err, _scope(request))
 
 
-def _error_response(err: ApiError) -> Response:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status == 503 else {}
-    if err.status == 401:
-        headers["WWW-Authenticate"] = "Bearer"
-    return _json(err.body(), err.status, headers)
-
-
-def create_app(
-    config: DeploymentConfig, client: Client, keys: ApiKeys, metrics: HttpMetrics | None = None
-) -> Flask:
-    """The Flask app; ``client`` talks to the load balancer and is shared by every request."""
-    app = Flask("mii_server.openai_server")
-    model = config.served_model
-    created = int(time.time())
-    metrics = metrics or HttpMetrics()
-    metrics.registry.register(EngineStatsCollector(lambda: client.stats(timeout=2.0)))
-
-    @app.before_request
-    def _begin() -> Response | None:
-        g.request_id = request_id_from(request.headers.get(REQUEST_ID_HEADER))
-        g.started = time.monotonic()
-        g.observed = False
-        if request.path not in UNAUTHENTICATED and not keys.allows(request.headers.get("Authorization")):
-            return _error_response(
-                ApiError(
-                    401,
-                    "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
-                    "authentication_error",
-                    None,
-                    "invalid_api_key",
-                )
-            )
-        return None
-
-    @app.after_request
-    def _end(response: Response) -> Response:
-        response.headers[REQUEST_ID_HEADER] = g.request_id
-        if not response.is_streamed and not g.observed:
-            _observe(_route(), response.status_code, _reason_of(response))
-        return response
-
-    def _observe(route: str, status: int, reason: str = "") -> None:
-        g.observed = True
-        seconds = time.monotonic() - g.started
-        metrics.finished(route, status, seconds, reason)
-        log.info(
-            "request_id=%s method=%s path=%s status=%d duration_s=%.3f%s",
-            g.request_id,
-            request.method,
-            route,
-            status,
-            seconds,
-            f" error={reason}" if reason else "",
-        )
-
-    @app.get("/healthz")
-    def healthz() -> Response:  # this process is up (the supervisor's readiness probe)
-        return _json({"status": "ok"})
-
-    @app.get("/health")
-    def health() -> Response:  # the deployment can serve: at least one replica is loaded and routed to
-        ok, detail = deployment_health(client)
-        return _json(detail, 200 if ok else 503)
-
-    @app.get("/metrics")
-    def prometheus() -> Response:
-        body, content_type = exposition(metrics.registry)
-        return Response(body, content_type=content_type)
-
-    @app.get("/v1/models")
-    def list_models() -> Response:
-        return _json(models_body(model, created))
-
-    @app.get("/v1/models/<path:name>")
-    def get_model(name: str) -> Response:
-        if name != model:
-            return _error_response(
-                ApiError(
-                    404, f"The model `{name}` does not exist.", "not_found_error", "model", "model_not_found"
-                )
-            )
-        return _json(model_body(model, created))
-
-    @app.post("/v1/completions")
-    def completions() -> Response:
-        return _generate(chat=False)
-
-    @app.post("/v1/chat/completions")
-    def chat_completions() -> Response:
-        return _generate(chat=True)
-
-    def _generate(chat: bool) -> Response:
-        gone = request.environ.get("waitress.client_disconnected", lambda: False)
-        try:
-            body = request.get_json(force=True, silent=True)
-            if body is None:
-                raise bad_request("the request body is not valid JSON")
-            plan = parse(body, chat=chat, served_model=model)
-            if chat:
-                plan.prompts = [client.apply_chat_template(plan.messages, request_id=g.request_id)]
-            upstream = _start(plan, gone)
-        except (ApiError, MIIServerError) as exc:
-            return _error_response(api_error_of(exc))
-        builder = ResponseBuilder(plan, g.request_id)
-        events = upstream.events()
-        try:
-            first = next(events, None)  # why wait: an error before any output still gets its own status
-        except ClientGone:
-            upstream.cancel()
-            _observe(_route(), 499, "client_disconnected")
-            return _json({}, 499)
-        except Exception as exc:  # noqa: BLE001 - upstream errors keep their type (status map)
-            upstream.cancel()
-            return _error_response(api_error_of(exc))
-        if plan.stream:
-            return Response(
-                _sse(plan, builder, first, events, upstream, _route(), g.request_id, g.started),
-                mimetype="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        try:
-            if first is not None:
-                builder.add(*first)
-            for choice, chunk in events:
-                builder.add(choice, chunk)
-        except ClientGone:
-            upstream.cancel()
-            _observe(_route(), 499, "client_disconnected")
-            return _json({}, 499)
-        except Exception as exc:  # noqa: BLE001
-            upstream.cancel()
-            return _error_response(api_error_of(exc))
-        return _json(builder.whole())
-
-    def _start(plan: Plan, gone: Callable[[], bool]) -> Upstream:
-        calls: list[tuple[StreamCall, list[int]]] = []
-        try:
-            for sub in plan.sub_requests():
-                calls.append(
-                    (client.open_stream(sub.prompts, sub.params, request_id=g.request_id), sub.choice_indices)
-                )
-        except BaseException:
-            for call, _ in calls:
-                call.cancel()
-            raise
-        return Upstream(calls, gone)
-
-    def _sse(
-        plan: Plan,
-        builder: ResponseBuilder,
-        first: tuple[int, StreamChunk] | None,
-        events: Iterator[tuple[int, StreamChunk]],
-        upstream: Upstream,
-        route: str,
-        request_id: str,
-        started: float,
-    ) -> Iterator[str]:
-        # runs after the view returned, outside the request context: it uses only its arguments
-        status, reason = 200, ""
-        try:
-            pending = [first] if first is not None else []
-            while True:
-                for choice, chunk in pending:
-                    builder.add(choice, chunk)
-                    for body in builder.chunk(choice, chunk):
-                        yield f"data: {json.dumps(body)}\n\n"
-                item = next(events, None)
-                if item is None:
-                    break
-                pending = [item]
-            if plan.include_usage:
-                yield f"data: {json.dumps(builder.usage_chunk())}\n\n"
-        except ClientGone:
-            status, reason = 499, "client_disconnected"
-            return
-        except GeneratorExit:  # waitress closed us: the client is gone
-            status, reason = 499, "client_disconnected"
-            raise
-        except Exception as exc:  # noqa: BLE001 - headers are sent: the error becomes the next event
-            err = api_error_of(exc)
-            status, reason = err.status, err.reason
-            yield f"data: {json.dumps(err.body())}\n\n"
-        finally:
-            upstream.cancel()  # no-op once every stream ended; aborts the prompts otherwise
-            seconds = time.monotonic() - started
-            metrics.finished(route, status, seconds, reason)
-            log.info(
-                "request_id=%s stream path=%s status=%d duration_s=%.3f%s",
-                request_id,
-                route,
-                status,
-                seconds,
-                f" error={reason}" if reason else "",
-            )
-        yield "data: [DONE]\n\n"
-
-    @app.errorhandler(404)
-    @app.errorhandler(405)
-    def not_found(err: Any) -> Response:
-        return _error_response(
-            ApiError(err.code, f"{request.method} {request.path}: {err.description}", "not_found_error")
-        )
-
+def create_app(config: DeploymentConfig, client: Client, keys: ApiKeys, metrics: HttpMetrics | None = None) -> FastAPI:
+    """The ASGI app; ``client`` talks to the load balancer and is shared by every request."""
+    app = FastAPI(title="mii-server OpenAI-compatible API", openapi_url=None, docs_url=None, redoc_url=None)
+    instrumentation = HttpInstrumentation(keys, metrics)
+    instrumentation.metrics.registry.register(EngineStatsCollector(lambda: client.stats(timeout=HEALTH_TIMEOUT_S)))
+    app.state.server = OpenAIServer(client, config.served_model, int(time.time()), instrumentation)
+    app.add_middleware(Instrumented, instrumentation=instrumentation)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_api_route("/healthz", healthz, methods=["GET"])
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/metrics", prometheus, methods=["GET"])
+    app.add_api_route("/v1/models", list_models, methods=["GET"])
+    app.add_api_route("/v1/models/{name:path}", get_model, methods=["GET"])
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     return app
-
-
-def _route() -> str:
-    """The matched URL rule (bounded label values for metrics), not the raw path."""
-    return request.url_rule.rule if request.url_rule is not None else "unmatched"
-
-
-def _reason_of(response: Response) -> str:
-    if response.status_code < 400:
-        return ""
-    try:
-        error = json.loads(response.get_data()).get("error", {})
-        return str(error.get("code") or error.get("type") or response.status_code)
-    except (ValueError, AttributeError):
-        return str(response.status_code)
 
 
 def serve_openai_server(cfg: DeploymentConfig) -> int:
     """Run the OpenAI-compatible server in this process until SIGTERM/SIGINT."""
+    import uvicorn  # why here: only this role needs it
+
     keys = ApiKeys.load(cfg.api_key_file)
-    client = Client(cfg.lb_address, deployment_name=cfg.deployment_name)
-    banner = (
-        f"OpenAI-compatible server on {cfg.openai_url} (model {cfg.served_model!r}, "
-        f"{'API key required' if keys.required else 'no API key'}) -> {cfg.lb_address}"
-    )
-    try:
-        serve_wsgi(
-            create_app(cfg, client, keys), cfg.openai_api_host, cfg.openai_api_port, cfg.openai_api_threads, banner,
-            # why: keep reading the socket while a request runs, so a client that leaves is seen at once
-            channel_request_lookahead=1,
-        )  # fmt: skip
-    finally:
-        client.close()
+
+    async def main() -> None:
+        client = Client(cfg.lb_address, deployment_name=cfg.deployment_name)
+        server = uvicorn.Server(
+            uvicorn.Config(
+                create_app(cfg, client, keys),
+                host=cfg.openai_api_host,
+                port=cfg.openai_api_port,
+                loop="asyncio",  # why not uvloop: grpc.aio shares this loop
+                lifespan="off",
+                log_config=None,
+                access_log=False,  # the instrumentation writes one line per request, with its id
+                backlog=4096,
+                timeout_graceful_shutdown=STOP_GRACE_S,
+            )
+        )
+        log.info(
+            "OpenAI-compatible server on %s (model %r, %s) -> %s",
+            cfg.openai_url,
+            cfg.served_model,
+            "API key required" if keys.required else "no API key",
+            cfg.lb_address,
+        )
+        try:
+            await server.serve()
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())
     return 0

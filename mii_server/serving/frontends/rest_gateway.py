@@ -1,55 +1,100 @@
-"""The REST gateway: MII's ``POST /mii/<deployment>`` over HTTP, served by waitress (no torch).
+"""The REST gateway: MII's ``POST /mii/<deployment>`` over HTTP (Flask, served by waitress; no torch).
 
 Body ``{"prompts": str | [str, ...], "stream": bool, <generate kwargs>}``. Replies a JSON list of
 responses (``Response.to_msg_dict()``), or with ``"stream": true`` server-sent events: one
 ``data: <chunk JSON with prompt_index>`` per chunk, then ``data: [DONE]``. Errors are JSON
 ``{"error": {"type", "message"}}`` with the status from ``status.http_status_of`` (400 for bad
-JSON, unknown kwargs and wrong types). ``GET /healthz`` answers 200 while the process runs; ``GET /health``
-200 while a replica can serve (503 otherwise); ``GET /metrics`` is Prometheus (``metrics``). API keys and
-``X-Request-Id`` work as in the OpenAI server (``http_common``).
+JSON, unknown kwargs and wrong types; 503 with ``Retry-After`` when overloaded). A streaming request
+waits for its first chunk before answering, so a refusal gets its own status, not a 200 and an
+error event; a failure after the first chunk is an ``event: error``. ``GET /healthz`` answers 200
+while the process runs; ``GET /health`` 200 while a replica can serve (503 otherwise); ``GET /metrics``
+is Prometheus. API keys and ``X-Request-Id`` work as in the OpenAI server (``http_common``).
+
+Concurrency: WSGI gives every in-flight request a thread, so waitress is sized from admission
+(``DeploymentConfig.rest_gateway_threads``): enough threads for every prompt the replicas would run
+or queue, so the gateway never holds back a request a replica could take, and past that the
+replicas refuse at once. The threads only wait: every upstream call runs on one shared event loop
+(``LoopThread``), and a request whose client disconnects (waitress keeps reading the socket and
+flags it) has its upstream call cancelled, which aborts its prompts on the replicas.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import time
+import signal
+import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from flask import Flask, Response, g, request, stream_with_context
+from flask import Flask, Response, current_app, g, request
 
 from ...errors import DeploymentNotFound, InvalidRequest, MIIServerError
+from ...wire.types import StreamChunk
 from ..control.deployment import DeploymentConfig
 from ..metrics import EngineStatsCollector, HttpMetrics, exposition
 from ..status import error_name_of, http_status_of
 from .client import Client
-from .http_common import REQUEST_ID_HEADER, ApiKeys, deployment_health, request_id_from, serve_wsgi
+from .http_common import (
+    CLIENT_GONE_STATUS,
+    HEALTH_TIMEOUT_S,
+    REQUEST_ID_HEADER,
+    SSE_DONE,
+    SSE_HEADERS,
+    ApiKeys,
+    HttpInstrumentation,
+    RequestScope,
+    deployment_health,
+    error_headers,
+    sse_event,
+    unreachable_health,
+)
+from .loop_thread import ClientGone, LoopThread
 
 log = logging.getLogger(__name__)
 
+THREAD_STACK_BYTES = 512 * 1024  # a waiting request thread needs little stack; thousands of them are cheap
 
-def _error_body(exc: BaseException) -> dict[str, Any]:
+
+@dataclass
+class RestGateway:
+    """What every handler needs, kept in ``app.extensions["mii_server"]``."""
+
+    deployment_name: str
+    client: Client  # talks to the load balancer; shared by every request
+    upstream: LoopThread  # where the client's calls run
+    instrumentation: HttpInstrumentation
+
+
+def _gateway() -> RestGateway:
+    return current_app.extensions["mii_server"]
+
+
+def error_body(exc: BaseException) -> dict[str, Any]:
     return {"error": {"type": error_name_of(exc), "message": str(exc)}}
 
 
-def _error(exc: BaseException) -> tuple[Response, int]:
+def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(json.dumps(body), status=status, mimetype="application/json", headers=headers)
+
+
+def _error(exc: BaseException) -> Response:
     status = http_status_of(exc)
     if status >= 500:
-        log.warning("request failed: %s: %s", type(exc).__name__, exc)
-    return Response(json.dumps(_error_body(exc)), status=status, mimetype="application/json"), status
+        log.warning("request_id=%s failed: %s: %s", g.http.request_id, type(exc).__name__, exc)
+    g.http.failure = error_name_of(exc)
+    return _json(error_body(exc), status, error_headers(status))
 
 
 def parse_body(raw: bytes) -> tuple[list[str], bool, dict[str, Any]]:
     """(prompts, stream, generate kwargs) from a request body; ``InvalidRequest`` when malformed."""
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except (ValueError, RecursionError) as err:  # bad JSON, bad UTF-8, or nested too deep to parse
         raise InvalidRequest(f"request body is not valid JSON: {err}") from None
     if not isinstance(body, dict):
-        raise InvalidRequest(
-            'request body must be a JSON object like {"prompts": ["..."], "max_new_tokens": 32}'
-        )
+        raise InvalidRequest('request body must be a JSON object like {"prompts": ["..."], "max_new_tokens": 32}')
     if "prompts" not in body:
         raise InvalidRequest('request body lacks "prompts" (a string or a list of strings)')
     kwargs = dict(body)
@@ -64,122 +109,172 @@ def parse_body(raw: bytes) -> tuple[list[str], bool, dict[str, Any]]:
     return prompts, stream, kwargs
 
 
-def create_app(
-    deployment_name: str, client: Client, keys: ApiKeys | None = None, metrics: HttpMetrics | None = None
-) -> Flask:
-    """The Flask app; ``client`` talks to the load balancer and is shared by all requests.
-
-    With ``keys``, every route but ``/healthz`` and ``/health`` needs ``Authorization: Bearer KEY``.
-    """
-    app = Flask("mii_server.rest_gateway")
-    keys = keys or ApiKeys([])
-    metrics = metrics or HttpMetrics()
-    metrics.registry.register(EngineStatsCollector(lambda: client.stats(timeout=2.0)))
-
-    @app.before_request
-    def _begin() -> tuple[Response, int] | None:
-        g.request_id = request_id_from(request.headers.get(REQUEST_ID_HEADER))
-        g.started = time.monotonic()
-        if request.path not in ("/healthz", "/health") and not keys.allows(
-            request.headers.get("Authorization")
-        ):
-            body = {
-                "error": {
-                    "type": "Unauthorized",
-                    "message": "missing or invalid API key (Authorization: Bearer)",
-                }
-            }
-            return Response(json.dumps(body), status=401, mimetype="application/json"), 401
-        return None
-
-    @app.after_request
-    def _end(response: Response) -> Response:
-        response.headers[REQUEST_ID_HEADER] = g.request_id
-        seconds = time.monotonic() - g.started
-        route = request.url_rule.rule if request.url_rule is not None else "unmatched"
-        failed = "" if response.status_code < 400 else str(response.status_code)
-        metrics.finished(route, response.status_code, seconds, failed)
-        log.info(
-            "request_id=%s method=%s path=%s status=%d duration_s=%.3f",
-            g.request_id,
-            request.method,
-            request.path,
-            response.status_code,
-            seconds,
-        )
-        return response
-
-    @app.get("/healthz")
-    def healthz() -> Response:  # this process is up (the supervisor's readiness probe)
-        return Response(json.dumps({"status": "ok"}), mimetype="application/json")
-
-    @app.get("/health")
-    def health() -> Response:  # the deployment can serve: a replica is loaded and routed to
-        ok, detail = deployment_health(client)
-        return Response(json.dumps(detail), status=200 if ok else 503, mimetype="application/json")
-
-    @app.get("/metrics")
-    def prometheus() -> Response:
-        body, content_type = exposition(metrics.registry)
-        return Response(body, content_type=content_type)
-
-    @app.post("/mii/<name>")
-    def generate(name: str) -> Any:
-        try:
-            if name != deployment_name:
-                raise DeploymentNotFound(
-                    f"no deployment named {name!r} here (this gateway serves {deployment_name!r})"
-                )
-            prompts, stream, kwargs = parse_body(request.get_data())
-            if stream:
-                # validates kwargs before returning
-                chunks = client.generate_stream(prompts, request_id=g.request_id, **kwargs)
-                return Response(
-                    stream_with_context(_sse(chunks)),
-                    mimetype="text/event-stream",
-                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                )
-            responses = client.generate(prompts, request_id=g.request_id, **kwargs)
-        except MIIServerError as exc:
-            return _error(exc)
-        return Response(json.dumps([r.to_msg_dict() for r in responses]), mimetype="application/json")
-
-    @app.errorhandler(404)
-    @app.errorhandler(405)
-    def not_found(err: Any) -> tuple[Response, int]:
-        body = {
-            "error": {"type": "NotFound", "message": f"{request.method} {request.path}: {err.description}"}
-        }
-        return Response(json.dumps(body), status=err.code, mimetype="application/json"), err.code
-
-    return app
+# ---- hooks ----------------------------------------------------------------------------------------
 
 
-def _sse(chunks: Iterator[Any]) -> Iterator[str]:
-    """Server-sent events: one per chunk, an ``error`` event if the stream fails, then [DONE]."""
+def _begin() -> Response | None:
+    inst = _gateway().instrumentation
+    g.http = inst.begin(request.method, request.path, request.headers.get(REQUEST_ID_HEADER))
+    if not inst.authorized(g.http, request.headers.get("Authorization")):
+        g.http.failure = "Unauthorized"
+        body = {"error": {"type": "Unauthorized", "message": "missing or invalid API key (Authorization: Bearer)"}}
+        return _json(body, 401, {"WWW-Authenticate": "Bearer"})
+    return None
+
+
+def _end(response: Response) -> Response:
+    response.headers[REQUEST_ID_HEADER] = g.http.request_id
+    if not response.is_streamed:  # streams are counted when their generator ends
+        _gateway().instrumentation.finish(g.http, _route(), response.status_code)
+    return response
+
+
+def _route() -> str:
+    """The matched URL rule (bounded label values for metrics), not the raw path."""
+    return request.url_rule.rule if request.url_rule is not None else "unmatched"
+
+
+# ---- handlers -------------------------------------------------------------------------------------
+
+
+def healthz() -> Response:
+    """This process is up (the supervisor's readiness probe)."""
+    return _json({"status": "ok"})
+
+
+def health() -> Response:
+    """The deployment can serve: a replica is loaded and routed to."""
+    gw = _gateway()
     try:
-        for chunk in chunks:
-            body = chunk.to_msg_dict()
-            yield f"data: {json.dumps(body)}\n\n"
+        replicas = gw.upstream.run(gw.client.astats(timeout=HEALTH_TIMEOUT_S))
+    except Exception as err:  # noqa: BLE001 - any failure to reach the load balancer is "unhealthy"
+        return _json(unreachable_health(err), 503)
+    ok, detail = deployment_health(replicas)
+    return _json(detail, 200 if ok else 503)
+
+
+def prometheus() -> Response:
+    body, content_type = exposition(_gateway().instrumentation.metrics.registry)
+    return Response(body, content_type=content_type)
+
+
+def generate(name: str) -> Response:
+    gw = _gateway()
+    gone = request.environ.get("waitress.client_disconnected", lambda: False)
+    rid = g.http.request_id
+    try:
+        if name != gw.deployment_name:
+            raise DeploymentNotFound(f"no deployment named {name!r} here (this gateway serves {gw.deployment_name!r})")
+        prompts, stream, kwargs = parse_body(request.get_data())
+        if not stream:
+            responses = gw.upstream.call(gw.client.agenerate(prompts, request_id=rid, **kwargs), gone)
+            return _json([r.to_msg_dict() for r in responses])
+        chunks = gw.upstream.iterate(gw.client.agenerate_stream(prompts, request_id=rid, **kwargs), gone)
+        first = next(chunks, None)  # why wait: a refusal (too long, overloaded) gets its own status
+    except ClientGone:
+        g.http.failure = "client_disconnected"
+        return _json({}, CLIENT_GONE_STATUS)  # nobody reads it; the instrumentation counts it
     except MIIServerError as exc:
-        yield f"event: error\ndata: {json.dumps(_error_body(exc))}\n\n"
+        return _error(exc)
+    return Response(
+        _sse(first, chunks, gw.instrumentation, g.http, _route()), mimetype="text/event-stream", headers=SSE_HEADERS
+    )
+
+
+def _sse(
+    first: StreamChunk | None,
+    chunks: Iterator[StreamChunk],
+    instrumentation: HttpInstrumentation,
+    http: RequestScope,
+    route: str,
+) -> Iterator[str]:
+    """Server-sent events: one per chunk, an ``error`` event if the stream fails, then [DONE]. Runs after
+    the view returned, outside the request context: it uses only its arguments."""
+    status = 200
+    try:
+        if first is not None:
+            yield sse_event(first.to_msg_dict())
+        for chunk in chunks:
+            yield sse_event(chunk.to_msg_dict())
+    except ClientGone:
+        status, http.failure = CLIENT_GONE_STATUS, "client_disconnected"
+        return
+    except GeneratorExit:  # waitress closed us: a write failed, the client is gone
+        status, http.failure = CLIENT_GONE_STATUS, "client_disconnected"
+        raise
+    except MIIServerError as exc:
+        http.failure = error_name_of(exc)
+        yield sse_event(error_body(exc), event="error")
     finally:
-        close = getattr(chunks, "close", None)
-        if close is not None:
-            close()  # the HTTP client left: cancel the upstream stream, aborting its requests
-    yield "data: [DONE]\n\n"
+        chunks.close()  # cancels the upstream stream when it has not ended, aborting its prompts
+        instrumentation.finish(http, route, status)
+    yield SSE_DONE
+
+
+def not_found(err: Any) -> Response:
+    g.http.failure = "NotFound"
+    return _json({"error": {"type": "NotFound", "message": f"{request.method} {request.path}: {err.description}"}}, err.code)
+
+
+def create_app(
+    deployment_name: str,
+    client: Client,
+    upstream: LoopThread,
+    keys: ApiKeys | None = None,
+    metrics: HttpMetrics | None = None,
+) -> Flask:
+    """The Flask app; ``client``'s async calls run on ``upstream``. With ``keys``, every route but
+    ``/healthz`` and ``/health`` needs ``Authorization: Bearer KEY``."""
+    app = Flask("mii_server.rest_gateway")
+    instrumentation = HttpInstrumentation(keys or ApiKeys([]), metrics)
+    instrumentation.metrics.registry.register(EngineStatsCollector(lambda: client.stats(timeout=HEALTH_TIMEOUT_S)))
+    app.extensions["mii_server"] = RestGateway(deployment_name, client, upstream, instrumentation)
+    app.before_request(_begin)
+    app.after_request(_end)
+    app.add_url_rule("/healthz", view_func=healthz, methods=["GET"])
+    app.add_url_rule("/health", view_func=health, methods=["GET"])
+    app.add_url_rule("/metrics", view_func=prometheus, methods=["GET"])
+    app.add_url_rule("/mii/<name>", view_func=generate, methods=["POST"])
+    app.register_error_handler(404, not_found)
+    app.register_error_handler(405, not_found)
+    return app
 
 
 def serve_rest_gateway(cfg: DeploymentConfig) -> int:
     """Run the gateway in this process until SIGTERM/SIGINT."""
+    import waitress  # why here: only this role needs it
+
+    threads = cfg.rest_gateway_threads
+    threading.stack_size(THREAD_STACK_BYTES)  # before waitress starts its threads
+    upstream = LoopThread()
     client = Client(cfg.lb_address, deployment_name=cfg.deployment_name)
-    app = create_app(cfg.deployment_name, client, ApiKeys.load(cfg.api_key_file))
-    banner = (
-        f"REST gateway on http://{cfg.restful_api_host}:{cfg.restful_api_port}/mii/{cfg.deployment_name} "
-        f"-> {cfg.lb_address}"
+    app = create_app(cfg.deployment_name, client, upstream, ApiKeys.load(cfg.api_key_file))
+    server = waitress.create_server(
+        app,
+        host=cfg.restful_api_host,
+        port=cfg.restful_api_port,
+        threads=threads,
+        connection_limit=threads + 64,  # waitress's default (100) would cap concurrency below admission
+        backlog=2048,
+        ident="mii-server",
+        channel_request_lookahead=1,  # keep reading the socket, so a client that leaves is seen at once
     )
+
+    def _stop(*_: object) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    log.info(
+        "REST gateway on http://%s:%d/mii/%s with %d threads -> %s",
+        cfg.restful_api_host, cfg.restful_api_port, cfg.deployment_name, threads, cfg.lb_address,
+    )  # fmt: skip
     try:
-        serve_wsgi(app, cfg.restful_api_host, cfg.restful_api_port, cfg.restful_api_threads, banner)
+        server.run()
+    except SystemExit:
+        pass
     finally:
-        client.close()
+        server.close()
+        upstream.run(client.aclose(), timeout=5)
+        upstream.close()
     return 0
