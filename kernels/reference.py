@@ -1,7 +1,7 @@
 """Pure-PyTorch reference ops: the CPU path and the oracle for every Triton kernel.
 
 The ops the models call (``rms_norm``, ``silu_and_mul``, ``gelu_tanh_and_mul``, ``rotary_kv_append``,
-``kv_append``, ``paged_attention``, ``fused_moe``) have twins with the same signatures in ``triton_ops``
+``kv_append``, ``paged_attention``, ``moe_route``, ``fused_moe``) have twins with the same signatures in ``triton_ops``
 (when Triton is present); ``mii_server.kernels`` dispatches between the two. ``rotary_embedding`` and
 ``kv_append`` are the halves of ``rotary_kv_append``, kept apart as the readable definitions. Shapes: T tokens in the flat ragged batch,
 S sequences, Hq query heads, Hk key/value heads, D head size, B cache blocks of ``block_size`` slots.
@@ -217,6 +217,19 @@ def _chunk_attention(
         visible &= key_pos > q_positions - sliding_window
     out = _attend(q.float().transpose(0, 1), keys, values, visible, scale, logit_softcap)
     return out.transpose(0, 1).to(q.dtype)  # [L, Hq, D]
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router of a mixture-of-experts layer: softmax over all experts in float32, each token's
+    ``top_k`` most probable experts, their probabilities renormalised to sum to 1 when ``normalize``.
+
+    router_logits: [T, E]. Returns (float32 weights [T, k], int64 expert ids [T, k]), descending.
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
 
 
 def fused_moe(

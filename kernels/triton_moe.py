@@ -11,9 +11,11 @@ runs every expert's GEMM over its own rows at once:
    its routing weight: [T * k, H];
 3. each token's k slots are summed.
 
-The sort (``align_by_expert``) is a handful of torch ops with no host sync, and every launch has a
-grid fixed by T alone (an upper bound on the padded block count; blocks past the real count exit at
-once), so the whole op can be captured in a CUDA graph.
+The sort (``align_by_expert``) is one single-program launch, the router's softmax and top-k
+(``moe_route``, an op of its own) another; no value goes back to the host and every grid is fixed by
+T alone (the GEMMs' by an upper bound on the padded block count; blocks past the real count exit at
+once), so a MoE layer can be captured in a CUDA graph. Each layer costs six launches besides its
+router GEMM: route, fill, align, the two grouped GEMMs and the sum over k.
 """
 
 from __future__ import annotations
@@ -35,38 +37,113 @@ class ExpertLayout:
     block_m: int
 
 
+@triton.jit(do_not_specialize=["num_slots", "num_blocks"])
+def _align_kernel(
+    ids_ptr, sorted_slots_ptr, block_expert_ptr, padded_rows_ptr, num_slots, num_blocks,
+    NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """One program: count each expert's slots, pad the counts to BLOCK_M, name each block's expert,
+    and scatter every slot to its place (slots of one expert keep their order)."""
+    experts = tl.arange(0, E_PAD)
+    lanes = tl.arange(0, CHUNK)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for start in range(0, num_slots, CHUNK):
+        slot = start + lanes
+        expert = tl.load(ids_ptr + slot, mask=slot < num_slots, other=E_PAD)  # E_PAD matches no column
+        counts += tl.sum((expert[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [E]
+    pad_end = tl.cumsum(padded, axis=0)
+    pad_start = pad_end - padded
+    tl.store(padded_rows_ptr, tl.sum(padded, axis=0))
+    for start in range(0, num_blocks, CHUNK):
+        block = start + lanes
+        # a block's expert: the number of experts whose padded group ends at or before it
+        owner = tl.sum((pad_end[None, :] <= (block * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + block, tl.minimum(owner, NUM_EXPERTS - 1), mask=block < num_blocks)
+    seen = tl.zeros([E_PAD], dtype=tl.int32)  # slots of each expert placed by earlier chunks
+    for start in range(0, num_slots, CHUNK):
+        slot = start + lanes
+        expert = tl.load(ids_ptr + slot, mask=slot < num_slots, other=E_PAD)
+        hit = (expert[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, E]
+        before = tl.cumsum(hit, axis=0) - hit  # earlier slots of the same expert in this chunk
+        dest = tl.sum(hit * (before + seen[None, :] + pad_start[None, :]), axis=1)
+        tl.store(sorted_slots_ptr + dest, slot, mask=slot < num_slots)
+        seen += tl.sum(hit, axis=0)
+
+
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertLayout:
     """Sort the slots of ``topk_ids`` ([T, k]) by expert and pad each expert's group to block_m rows.
 
     Sizes depend only on T, k, E and block_m (the padded total is bounded by
     T * k + min(E, T * k) * (block_m - 1)), so no value is read back to the host.
     """
-    flat = topk_ids.reshape(-1).long()  # [S]: expert of slot s
-    num_slots = flat.numel()
-    device = flat.device
-    order = torch.argsort(flat, stable=True)  # [S]: slots grouped by expert
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E]
-    padded = (counts + block_m - 1) // block_m * block_m  # [E]
-    pad_end = torch.cumsum(padded, 0)
-    pad_start = pad_end - padded
-    first = torch.cumsum(counts, 0) - counts  # [E]: first sorted index of each expert
-    expert = flat[order]  # [S]: expert of each sorted slot
-    rank = torch.arange(num_slots, device=device) - first[expert]  # position within its expert
+    ids = topk_ids.reshape(-1)  # [S]: expert of slot s
+    num_slots = ids.numel()
     max_padded = triton.cdiv(num_slots + min(num_experts, num_slots) * (block_m - 1), block_m) * block_m
-    sorted_slots = torch.full((max_padded,), num_slots, dtype=torch.int32, device=device)
-    sorted_slots[pad_start[expert] + rank] = order.to(torch.int32)
-    block_start = torch.arange(0, max_padded, block_m, device=device)
-    block_expert = torch.searchsorted(pad_end, block_start, right=True).clamp_(max=num_experts - 1)
-    return ExpertLayout(
-        sorted_slots=sorted_slots,
-        block_expert=block_expert.to(torch.int32),
-        padded_rows=pad_end[-1:].to(torch.int32),
-        block_m=block_m,
-    )
+    sorted_slots = torch.full((max_padded,), num_slots, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(max_padded // block_m, dtype=torch.int32, device=ids.device)
+    padded_rows = torch.empty(1, dtype=torch.int32, device=ids.device)
+    e_pad = triton.next_power_of_2(num_experts)
+    _align_kernel[(1,)](
+        ids, sorted_slots, block_expert, padded_rows, num_slots, block_expert.numel(),
+        NUM_EXPERTS=num_experts, E_PAD=e_pad, BLOCK_M=block_m, CHUNK=max(16, min(256, 4096 // e_pad)),
+        num_warps=4,
+    )  # fmt: skip
+    return ExpertLayout(sorted_slots=sorted_slots, block_expert=block_expert, padded_rows=padded_rows, block_m=block_m)
 
 
-@triton.jit(do_not_specialize=["num_slots"])
+@triton.jit
+def _route_kernel(
+    logits_ptr, weights_ptr, ids_ptr, num_tokens, stride_t,
+    NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr, NORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, E_PAD)
+    row_ok = rows < num_tokens
+    x = tl.load(
+        logits_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :],
+        mask=row_ok[:, None] & (cols < NUM_EXPERTS)[None, :],
+        other=float("-inf"),
+    ).to(tl.float32)
+    x = tl.where(row_ok[:, None], x, 0.0)  # padding rows: finite, never stored
+    p = tl.exp(x - tl.max(x, axis=1)[:, None])
+    probs = p / tl.sum(p, axis=1)[:, None]  # [T, E] softmax in float32
+    total = tl.zeros([BLOCK_T], dtype=tl.float32) + 1.0
+    if NORMALIZE:  # a first pass for the top-k sum (cheap: k maxima over E values)
+        left = probs
+        total = tl.zeros([BLOCK_T], dtype=tl.float32)
+        for _ in tl.static_range(TOP_K):
+            best = tl.max(left, axis=1)
+            first = tl.min(tl.where(left == best[:, None], cols[None, :], E_PAD), axis=1)
+            total += best
+            left = tl.where(cols[None, :] == first[:, None], -1.0, left)
+    left = probs
+    for j in tl.static_range(TOP_K):  # descending, ties to the lower expert id
+        best = tl.max(left, axis=1)
+        first = tl.min(tl.where(left == best[:, None], cols[None, :], E_PAD), axis=1)
+        tl.store(weights_ptr + rows * TOP_K + j, best / total, mask=row_ok)
+        tl.store(ids_ptr + rows * TOP_K + j, first.to(tl.int64), mask=row_ok)
+        left = tl.where(cols[None, :] == first[:, None], -1.0, left)
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the experts and the top-k; see ``reference.moe_route``. One launch."""
+    num_tokens, num_experts = router_logits.shape
+    assert router_logits.stride(-1) == 1, "the last dimension must be contiguous"
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=router_logits.device)
+    if num_tokens:
+        e_pad = triton.next_power_of_2(num_experts)
+        block_t = max(1, min(64, 4096 // e_pad))
+        _route_kernel[(triton.cdiv(num_tokens, block_t),)](
+            router_logits, weights, ids, num_tokens, router_logits.stride(0),
+            NUM_EXPERTS=num_experts, E_PAD=e_pad, TOP_K=top_k, NORMALIZE=normalize, BLOCK_T=block_t,
+        )  # fmt: skip
+    return weights, ids
+
+
+@triton.jit(do_not_specialize=["num_slots", "num_blocks_m"])
 def _moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weight_ptr, sorted_slots_ptr, block_expert_ptr, padded_rows_ptr,
     N, K, num_slots, num_blocks_m,

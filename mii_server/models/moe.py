@@ -76,16 +76,10 @@ class SparseMoE(nn.Module):
         else:
             self.shared_expert = self.shared_expert_gate = None
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 weights [T, k] and expert ids [T, k] of each token's top-k experts."""
-        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E]
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.normalize_topk:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, ids
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        weights, ids = self.route(x)
+        # float32 weights [T, k] and ids [T, k] of each token's top-k experts (Qwen rounds the weights
+        # to the model dtype first; they stay float32 here for every family)
+        weights, ids = self.ops.moe_route(self.gate(x), self.top_k, self.normalize_topk)
         out = self.ops.fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)  # this rank's partial sum
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

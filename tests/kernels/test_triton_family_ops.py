@@ -164,6 +164,17 @@ def test_fused_moe(dtype: torch.dtype, case) -> None:
     torch.testing.assert_close(out, reference.fused_moe(x, w13, w2, weights, ids), **MOE_TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 8, 2), (37, 8, 2), (70, 60, 4), (5, 128, 8)])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_moe_route(dtype: torch.dtype, tokens: int, experts: int, top_k: int, normalize: bool) -> None:
+    logits = _rand(tokens, experts, dtype=dtype) * 3
+    weights, ids = triton_ops.moe_route(logits, top_k, normalize)
+    want_weights, want_ids = reference.moe_route(logits, top_k, normalize)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, atol=1e-6, rtol=1e-5)
+
+
 def test_reference_fused_moe_is_the_per_token_sum() -> None:
     """The oracle itself: each token's output is its experts' SwiGLU outputs, weighted and summed."""
     x, w13, w2, weights, ids = _moe_inputs(9, 5, 2, 16, 24, dtype=torch.float32)
