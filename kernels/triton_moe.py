@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_attention import _num_sms
+
 
 @dataclass(frozen=True)
 class ExpertLayout:
@@ -230,16 +232,22 @@ def moe_tiles(num_slots: int, num_experts: int, on_gpu: bool) -> MoETiles:
 
 def _grouped_gemm(
     a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, weights: torch.Tensor, layout: ExpertLayout,
-    n: int, a_row_div: int, gated: bool, tiles: MoETiles,
+    n: int, a_row_div: int, gated: bool, tiles: MoETiles, adapt: bool,
 ) -> None:  # fmt: skip
     num_blocks_m = layout.sorted_slots.numel() // tiles.block_m
-    grid = (num_blocks_m * triton.cdiv(n, tiles.block_n),)
+    block_n = tiles.block_n
+    if adapt and a.is_cuda:
+        # why: a decode step has a block or two per expert; narrower columns keep every SM streaming
+        # weights (e.g. the down projection at batch 1: 2 blocks x 4096 / 64 = 128 programs)
+        while block_n > 32 and num_blocks_m * triton.cdiv(n, block_n) < 2 * _num_sms(a.device):
+            block_n //= 2
+    grid = (num_blocks_m * triton.cdiv(n, block_n),)
     _moe_gemm_kernel[grid](
         a, b, c, weights, layout.sorted_slots, layout.block_expert, layout.padded_rows,
         n, a.shape[1], c.shape[0], num_blocks_m,
         a.stride(0), b.stride(0), b.stride(1), b.stride(2), c.stride(0),
         A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=not gated,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
+        BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
         DOT_PREC="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
@@ -255,7 +263,7 @@ def fused_moe(
     tiles: MoETiles | None = None,
 ) -> torch.Tensor:
     """Mixture-of-experts SwiGLU MLP; see ``reference.fused_moe``. ``tiles`` overrides the tile
-    choice (for benchmarks)."""
+    choice, exactly (for benchmarks)."""
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
@@ -264,11 +272,12 @@ def fused_moe(
     if num_tokens == 0:
         return torch.empty_like(x)
     num_slots = num_tokens * top_k
+    adapt = tiles is None  # given tiles are used as they are
     tiles = tiles or moe_tiles(num_slots, num_experts, x.is_cuda)
     layout = align_by_expert(topk_ids, num_experts, tiles.block_m)
     weights = topk_weights.reshape(-1).float().contiguous()  # [S]
     act = torch.empty((num_slots, inter), dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, act, weights, layout, inter, top_k, True, tiles)
+    _grouped_gemm(x, w13, act, weights, layout, inter, top_k, True, tiles, adapt)
     out = torch.empty((num_slots, hidden), dtype=x.dtype, device=x.device)
-    _grouped_gemm(act, w2, out, weights, layout, hidden, 1, False, tiles)
+    _grouped_gemm(act, w2, out, weights, layout, hidden, 1, False, tiles, adapt)
     return out.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -164,7 +164,8 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm (with bias) behind RMSNorm's interface: takes and returns the residual stream."""
+    """LayerNorm (with bias) behind RMSNorm's interface: takes and returns the residual stream
+    (``ops`` is accepted for RMSNorm's signature; torch's layer_norm is already one kernel)."""
 
     def __init__(self, hidden: int, eps: float, dtype: torch.dtype, ops: Any = None) -> None:
         super().__init__()

@@ -1,6 +1,6 @@
 """The ops the model families beyond Llama need, Triton against the pure-PyTorch reference: sliding
-windows and logit soft-capping in paged attention, partial rotary, the plain KV append, GeGLU and
-the fused mixture-of-experts MLP.
+windows and logit soft-capping in paged attention, the plain KV append, GeGLU, and the
+mixture-of-experts router and fused MLP (partial rotary: test_triton_ops.test_rotary_kv_append).
 
 On CUDA: bf16/fp16 at model-like shapes. On the CPU: Triton's interpreter (``TRITON_INTERPRET=1``,
 set by conftest.py) at tiny shapes.
@@ -20,7 +20,6 @@ from test_triton_ops import (
     MIXED_CASES,
     ON_GPU,
     ULP_TOL,
-    _cos_sin_cache,
     _ragged_batch,
     _rand,
 )
@@ -88,31 +87,6 @@ def test_reference_window_is_a_band() -> None:
         lo = max(0, i - 1)
         weights = torch.softmax(q[i, 0] @ keys[lo : i + 1].T, dim=-1)
         torch.testing.assert_close(out[i, 0], weights @ values[lo : i + 1])
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rotary_dim", [32, 16, 8] if ON_GPU else [16, 8, 4])
-def test_partial_rotary_kv_append(dtype: torch.dtype, rotary_dim: int) -> None:
-    num_q_heads, num_kv_heads, head_dim = (8, 2, 32) if ON_GPU else (4, 2, 16)
-    tokens, num_blocks, block_size = 11, 8, 4
-    cache = _cos_sin_cache(512, rotary_dim)  # [P, R]: rotates the first R of D values per head
-    positions = torch.randint(0, 512, (tokens,), device=DEVICE)
-    qkv = _rand(tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
-    q, k, v = (
-        part.view(tokens, -1, head_dim)
-        for part in qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    )
-    k_cache = _rand(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
-    v_cache = _rand(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
-    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens]
-    slots[2] = -1
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    q_ref = reference.rotary_kv_append(q, k, v, positions, cache, k_ref, v_ref, slots)
-    q_out = triton_ops.rotary_kv_append(q, k, v, positions, cache, k_cache, v_cache, slots)
-    torch.testing.assert_close(q_out, q_ref, **ULP_TOL[dtype])
-    torch.testing.assert_close(k_cache, k_ref, **ULP_TOL[dtype])
-    assert torch.equal(q_out[..., rotary_dim:], q[..., rotary_dim:])  # the tail passes through
-    assert torch.equal(v_cache, v_ref)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
