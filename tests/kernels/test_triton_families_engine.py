@@ -19,7 +19,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 
 import mii_server
 
-PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog.", "Numbers 0 1 2 3 café 東京 🙂"]
+PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog."]
 
 
 @pytest.mark.parametrize("variant", ["mixtral", "gemma2"])
