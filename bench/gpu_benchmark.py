@@ -83,7 +83,7 @@ def decode_seconds(prompt_lens: list[int], output_lens: list[int]) -> float:
 
 
 def hf_generate_seconds(model: Any, batch: int, prompt: int, new: int) -> float:
-    ids = torch.randint(3, SHAPE["vocab_size"] - 1, (batch, prompt), device=DEVICE)
+    ids = torch.randint(3, model.config.vocab_size - 1, (batch, prompt), device=DEVICE)
     sync()
     start = time.perf_counter()
     model.generate(
@@ -174,26 +174,32 @@ def drive(loop: Any, prompts: list[list[int]], outputs: list[int]) -> tuple[floa
     return seconds, tracker, {r.uid: start for r in requests}
 
 
-def random_prompts(rng: torch.Generator, lens: list[int]) -> list[list[int]]:
-    return [torch.randint(3, SHAPE["vocab_size"] - 1, (n,), generator=rng).tolist() for n in lens]
+def random_prompts(rng: torch.Generator, lens: list[int], vocab: int = SHAPE["vocab_size"]) -> list[list[int]]:
+    return [torch.randint(3, vocab - 1, (n,), generator=rng).tolist() for n in lens]
 
 
 def ratio(ours: float, theirs: float | None) -> float | None:
     return None if not theirs else ours / theirs
 
 
-def run_ours(path: Path, args: argparse.Namespace, hf: dict[str, float]) -> None:
+def start_ours(path: Path, args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """(config, runtime, loop) of our engine on ``path`` in bf16, with the benchmark's settings
+    (``args``: no_graphs, batch_tokens, reserve_gb)."""
     from mii_server.config import ModelConfig
     from mii_server.runtime import build_loop, build_runtime
 
-    start = time.perf_counter()
     config = ModelConfig(
         model_name_or_path=str(path), dtype="bfloat16", device=DEVICE, cuda_graphs=not args.no_graphs,
         max_ragged_batch_size=args.batch_tokens, max_ragged_sequence_count=512, max_tracked_sequences=2048,
         kv_cache={"reserve_bytes": int(args.reserve_gb * 1e9)},
     )  # fmt: skip
     runtime = build_runtime(config)
-    loop = build_loop(config, runtime)
+    return config, runtime, build_loop(config, runtime)
+
+
+def run_ours(path: Path, args: argparse.Namespace, hf: dict[str, float]) -> None:
+    start = time.perf_counter()
+    config, runtime, loop = start_ours(path, args)
     engine = runtime.engine
     graphs = engine.cuda_graphs
     free, _ = torch.cuda.mem_get_info() if DEVICE == "cuda" else (0, 0)

@@ -22,8 +22,8 @@ KERNELS_ENV = "MII_SERVER_KERNELS"
 
 
 def get_ops(device: torch.device | str) -> ModuleType:
-    """The op namespace (``rms_norm``, ``silu_and_mul``, ``rotary_kv_append``, ``paged_attention``)
-    to use for tensors on ``device``."""
+    """The op namespace (``rms_norm``, ``silu_and_mul``, ``gelu_tanh_and_mul``, ``rotary_kv_append``,
+    ``kv_append``, ``paged_attention``, ``moe_route``, ``fused_moe``) to use for tensors on ``device``."""
     choice = os.environ.get(KERNELS_ENV, "auto").lower()
     if choice not in ("auto", "reference", "triton"):
         raise ValueError(f"{KERNELS_ENV} must be auto, reference or triton, not {choice!r}")

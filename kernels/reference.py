@@ -1,9 +1,9 @@
 """Pure-PyTorch reference ops: the CPU path and the oracle for every Triton kernel.
 
-The ops the models call (``rms_norm``, ``silu_and_mul``, ``rotary_kv_append``, ``paged_attention``)
-have twins with the same signatures in ``triton_ops`` (when Triton is present); ``mii_server.kernels``
-dispatches between the two. ``rotary_embedding`` and ``kv_append`` are the halves of
-``rotary_kv_append``, kept apart as the readable definitions. Shapes: T tokens in the flat ragged batch,
+The ops the models call (``rms_norm``, ``silu_and_mul``, ``gelu_tanh_and_mul``, ``rotary_kv_append``,
+``kv_append``, ``paged_attention``, ``moe_route``, ``fused_moe``) have twins with the same signatures in ``triton_ops``
+(when Triton is present); ``mii_server.kernels`` dispatches between the two. ``rotary_embedding`` and
+``kv_append`` are the halves of ``rotary_kv_append``, kept apart as the readable definitions. Shapes: T tokens in the flat ragged batch,
 S sequences, Hq query heads, Hk key/value heads, D head size, B cache blocks of ``block_size`` slots.
 """
 
@@ -35,23 +35,32 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU (Gemma): x: [T, 2I] holding gate then up -> gelu_tanh(gate) * up: [T, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def rotary_embedding(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary position embedding in the rotate-half (GPT-NeoX / Hugging Face Llama) layout.
 
     q: [T, Hq, D]; k: [T, Hk, D]; positions: int64[T];
-    cos_sin_cache: float32[max_positions, D] holding cos of the D/2 frequencies then their sin.
+    cos_sin_cache: float32[max_positions, R] holding cos of the R/2 frequencies then their sin. R is
+    the rotary width: R = D rotates whole heads; R < D (partial rotary, Phi) rotates the first R
+    dimensions of each head and passes the other D - R through unchanged.
     Returns rotated (q, k) in the input dtype.
     """
-    half = q.shape[-1] // 2
-    cos_sin = cos_sin_cache.index_select(0, positions)  # [T, D]
-    cos = cos_sin[:, :half].unsqueeze(1)  # [T, 1, D/2]
+    rot = cos_sin_cache.shape[-1]
+    half = rot // 2
+    cos_sin = cos_sin_cache.index_select(0, positions)  # [T, R]
+    cos = cos_sin[:, :half].unsqueeze(1)  # [T, 1, R/2]
     sin = cos_sin[:, half:].unsqueeze(1)
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float()[..., :half], x.float()[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        x1, x2, rest = x.float()[..., :half], x.float()[..., half:rot], x.float()[..., rot:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1).to(x.dtype)
 
     return rotate(q), rotate(k)
 
@@ -98,12 +107,19 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    *,
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of a ragged batch (prefill chunks and decode tokens together) over the cache.
 
     q: [T, Hq, D]; k_cache, v_cache: [B, block_size, Hk, D] already holding this batch's keys and
     values (``rotary_kv_append`` runs first). Grouped-query attention: query head h reads KV head
     h // (Hq // Hk). Returns [T, Hq, D] in q's dtype.
+
+    ``sliding_window`` W > 0: the token at position i sees keys at positions i - W + 1 .. i only
+    (Hugging Face's ``kv_idx > q_idx - sliding_window``). ``logit_softcap`` c > 0 (Gemma 2): the scaled
+    logits s become c * tanh(s / c) before the mask and the softmax.
 
     Sequences with one new token (decode) are attended together in one batched product; sequences
     with several (prefill chunks) one at a time.
@@ -115,11 +131,17 @@ def paged_attention(
     if decode:
         rows = torch.tensor(decode, device=q.device)
         tokens = meta.cu_q_lens.long()[rows]  # each decode sequence's one token
-        out[tokens] = _decode_attention(q[tokens], k_cache, v_cache, meta.block_table[rows], meta.context_lens[rows], scale)
+        out[tokens] = _decode_attention(
+            q[tokens], k_cache, v_cache, meta.block_table[rows], meta.context_lens[rows], scale,
+            sliding_window, logit_softcap,
+        )  # fmt: skip
     for s in range(len(ctx)):
         start, end = cu[s], cu[s + 1]
         if end - start > 1:
-            out[start:end] = _chunk_attention(q[start:end], k_cache, v_cache, meta.block_table[s], ctx[s], scale)
+            out[start:end] = _chunk_attention(
+                q[start:end], k_cache, v_cache, meta.block_table[s], ctx[s], scale,
+                sliding_window, logit_softcap,
+            )  # fmt: skip
     return out
 
 
@@ -131,6 +153,21 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, group: int) -> torch.Tens
     return rows.float().repeat_interleave(group, dim=-2)
 
 
+def _attend(
+    q: torch.Tensor,  # float32 [..., L, D]
+    keys: torch.Tensor,  # float32 [..., C, D]
+    values: torch.Tensor,
+    visible: torch.Tensor,  # bool, broadcast to [..., L, C]
+    scale: float,
+    logit_softcap: float,
+) -> torch.Tensor:
+    if not logit_softcap:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=scale)
+    logits = q @ keys.transpose(-1, -2) * scale  # [..., L, C]
+    logits = torch.tanh(logits / logit_softcap) * logit_softcap
+    return torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1) @ values
+
+
 def _decode_attention(
     q: torch.Tensor,  # [S, Hq, D]: one query per sequence, at position context_len - 1
     k_cache: torch.Tensor,
@@ -138,6 +175,8 @@ def _decode_attention(
     block_table: torch.Tensor,  # [S, max_blocks]
     context_lens: torch.Tensor,  # [S]
     scale: float,
+    sliding_window: int,
+    logit_softcap: float,
 ) -> torch.Tensor:
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -147,9 +186,12 @@ def _decode_attention(
     values = v_cache[blocks].reshape(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     # A KV head's group of query heads act as that head's "query positions": [S, Hk, group, D]
     queries = q.reshape(num_seqs, num_kv_heads, -1, head_dim)
-    visible = torch.arange(keys.shape[2], device=q.device)[None, :] < context_lens[:, None]  # [S, C]
-    out = F.scaled_dot_product_attention(
-        queries.float(), keys.float(), values.float(), attn_mask=visible[:, None, None, :], scale=scale
+    key_pos = torch.arange(keys.shape[2], device=q.device)[None, :]
+    visible = key_pos < context_lens[:, None]  # [S, C]
+    if sliding_window:
+        visible &= key_pos >= context_lens[:, None] - sliding_window
+    out = _attend(
+        queries.float(), keys.float(), values.float(), visible[:, None, None, :], scale, logit_softcap
     )  # [S, Hk, group, D]
     return out.reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)
 
@@ -161,12 +203,66 @@ def _chunk_attention(
     blocks: torch.Tensor,  # [max_blocks]
     context_len: int,
     scale: float,
+    sliding_window: int,
+    logit_softcap: float,
 ) -> torch.Tensor:
     group = q.shape[1] // k_cache.shape[2]
     n_blocks = -(-context_len // k_cache.shape[1])
     keys = _gather(k_cache, blocks[:n_blocks], group)[:context_len].transpose(0, 1)  # [Hq, C, D]
     values = _gather(v_cache, blocks[:n_blocks], group)[:context_len].transpose(0, 1)
-    q_positions = torch.arange(context_len - q.shape[0], context_len, device=q.device)
-    causal = torch.arange(context_len, device=q.device)[None, :] <= q_positions[:, None]  # [L, C]
-    out = F.scaled_dot_product_attention(q.float().transpose(0, 1), keys, values, attn_mask=causal, scale=scale)
+    q_positions = torch.arange(context_len - q.shape[0], context_len, device=q.device)[:, None]  # [L, 1]
+    key_pos = torch.arange(context_len, device=q.device)[None, :]  # [1, C]
+    visible = key_pos <= q_positions  # [L, C]
+    if sliding_window:
+        visible &= key_pos > q_positions - sliding_window
+    out = _attend(q.float().transpose(0, 1), keys, values, visible, scale, logit_softcap)
     return out.transpose(0, 1).to(q.dtype)  # [L, Hq, D]
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router of a mixture-of-experts layer: softmax over all experts in float32, each token's
+    ``top_k`` most probable experts, their probabilities renormalised to sum to 1 when ``normalize``.
+
+    router_logits: [T, E]. Returns (float32 weights [T, k], int64 expert ids [T, k]), descending.
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Mixture-of-experts SwiGLU MLP: each token's output is the routing-weighted sum of its top-k
+    experts' ``down(silu(gate(x)) * up(x))``.
+
+    x: [T, H]; w13: [E, 2I, H] (each expert's gate rows, then its up rows); w2: [E, H, I];
+    topk_weights: float [T, k]; topk_ids: int [T, k] (expert of each of a token's k slots).
+    Returns [T, H] in x's dtype.
+
+    Done as the field does it: the T * k (token, expert) slots are sorted by expert and each
+    expert's two GEMMs run once over its group of tokens (here a loop over the experts, not over
+    tokens). A slot's result is weighted in float32 and rounded, then each token's k slots are summed.
+    """
+    num_tokens, top_k = topk_ids.shape
+    flat = topk_ids.reshape(-1)  # [T*k]: expert of slot t * k + j
+    order = torch.argsort(flat, stable=True)  # slots grouped by expert
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    weights = topk_weights.reshape(-1, 1).float()  # [T*k, 1]
+    out = torch.empty(num_tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        slots = order[start : start + n]  # [n]
+        start += n
+        h = silu_and_mul(F.linear(x[slots // top_k], w13[expert]))  # [n, I]
+        y = F.linear(h, w2[expert])  # [n, H]
+        out[slots] = (y.float() * weights[slots]).to(x.dtype)
+    return out.view(num_tokens, top_k, -1).sum(dim=1)

@@ -10,6 +10,10 @@ Two kernels share one tile step (online softmax in fp32, exp2 domain):
   (sequence, KV head, context split), its GROUP query heads padded to 16 rows for ``tl.dot``;
   ``_decode_reduce_kernel`` merges the splits' partial softmax states.
 
+Both take the options of ``reference.paged_attention``: a sliding window (SLIDING: tiles wholly
+before a query block's window are skipped, the rest masked) and a logit soft-cap (SOFTCAP). Either
+compiles as its own variant, so models without them run the same code as before.
+
 Cache layout [num_blocks, block_size, Hk, D] with D contiguous; block_size a power of two. The
 launches depend only on shapes and the Python ints ``meta.max_q_len`` / ``meta.max_context_len``, so
 they can be captured in CUDA graphs.
@@ -25,6 +29,7 @@ import triton
 import triton.language as tl
 
 from .metadata import AttentionMetadata
+from .triton_pointwise import _tanh
 
 _LOG2E = 1.4426950408889634
 
@@ -44,11 +49,16 @@ def _load_kv(ptrs, pos_ok, d, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, D_PA
 @triton.jit
 def _attend_tile(
     q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head, tile_start, q_pos, ctx,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2, window, cap_in, cap_out,
     MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_PREC: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
-    """One online-softmax step of q [M, D] against BLOCK_N cached keys from ``tile_start``."""
+    """One online-softmax step of q [M, D] against BLOCK_N cached keys from ``tile_start``.
+
+    SLIDING: keys at or before ``q_pos - window`` are masked too (MASKED tiles only). SOFTCAP: the
+    scaled logits s become cap * tanh(s / cap), with ``cap_in`` = scale / cap, ``cap_out`` = cap / scale.
+    """
     pos = tile_start + tl.arange(0, BLOCK_N)  # [N] key positions
     d = tl.arange(0, D_PAD)
     if MASKED:
@@ -67,12 +77,22 @@ def _attend_tile(
         D_PAD,
     )  # [N, D]
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [M, N], unscaled
+    if SOFTCAP:  # kept in unscaled units, so the lines below are shared
+        qk = cap_out * _tanh(qk * cap_in)
     if MASKED:
         keep = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] < ctx)
+        if SLIDING:
+            keep = keep & (pos[None, :] > q_pos[:, None] - window)
         qk = tl.where(keep, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)  # running max, in the scaled log2 domain
-    p = tl.math.exp2(qk * scale_log2 - m_new[:, None])  # why: the scale folds into one FMA
-    alpha = tl.math.exp2(m_i - m_new)
+    if SLIDING:
+        # why: a row may see no key of its first tiles (they precede its window); exp2(-inf - -inf)
+        # would be NaN, so such a row subtracts 0 and keeps p = alpha = 0 until it meets a key
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_sub = m_new
+    p = tl.math.exp2(qk * scale_log2 - m_sub[:, None])  # why: the scale folds into one FMA
+    alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_kv(
         v_cache_ptr + blk[:, None] * stride_vb + slot * stride_vs + kv_head * stride_vh + d[None, :],
@@ -91,11 +111,12 @@ def _attend_tile(
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, cu_q_lens_ptr, context_lens_ptr,
-    scale_log2, num_seqs,
+    scale_log2, num_seqs, window, cap_in, cap_out,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_PREC: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     # why reversed: later q-blocks of a sequence see longer contexts; start the heavy ones first
@@ -134,19 +155,30 @@ def _prefill_kernel(
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     first_pos = ctx - q_len + local * BLOCK_Q
     kv_end = tl.minimum(first_pos + BLOCK_Q, ctx)  # keys beyond the block's last query are masked
-    n_full = (first_pos + 1) // BLOCK_N  # tiles every row of the block sees in full
+    n_full = (first_pos + 1) // BLOCK_N  # tiles up to here end at or before every row's own position
     n_tiles = tl.cdiv(kv_end, BLOCK_N)
-    for t in range(n_full):
+    t_full = 0  # first tile every row of the block sees in full (the window's start, when sliding)
+    if SLIDING:
+        # tiles before t_lo end before the first row's window: skipped; [t_lo, t_full) is masked
+        t_lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_N
+        t_full = tl.minimum(tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N), n_full)
+        for t in range(t_lo, t_full):
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row, kv_head, t * BLOCK_N, q_pos, ctx,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2, window, cap_in,
+                cap_out, True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PREC, SLIDING, SOFTCAP,
+            )  # fmt: skip
+    for t in range(t_full, n_full):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row, kv_head, t * BLOCK_N, q_pos, ctx,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
-            False, BLOCK_SIZE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PREC,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2, window, cap_in,
+            cap_out, False, BLOCK_SIZE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PREC, SLIDING, SOFTCAP,
         )  # fmt: skip
     for t in range(n_full, n_tiles):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row, kv_head, t * BLOCK_N, q_pos, ctx,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
-            True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PREC,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2, window, cap_in,
+            cap_out, True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PREC, SLIDING, SOFTCAP,
         )  # fmt: skip
     out = acc / l_i[:, None]
     o_off = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -156,12 +188,12 @@ def _prefill_kernel(
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-    block_table_ptr, cu_q_lens_ptr, context_lens_ptr, scale_log2,
+    block_table_ptr, cu_q_lens_ptr, context_lens_ptr, scale_log2, window, cap_in, cap_out,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, M_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -171,8 +203,9 @@ def _decode_kernel(
         return
     ctx = tl.load(context_lens_ptr + seq)
     n_tiles = tl.cdiv(ctx, BLOCK_N)
-    per_split = tl.cdiv(n_tiles, NUM_SPLITS)
-    t_begin = split * per_split
+    t_lo = _first_tile(ctx, window, BLOCK_N, SLIDING)
+    per_split = tl.cdiv(n_tiles - t_lo, NUM_SPLITS)
+    t_begin = t_lo + split * per_split
     t_end = tl.minimum(t_begin + per_split, n_tiles)
     if t_begin >= t_end:
         return
@@ -192,8 +225,8 @@ def _decode_kernel(
     for t in range(t_begin, t_end):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row, kv_head, t * BLOCK_N, q_pos, ctx,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
-            True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PREC,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2, window, cap_in,
+            cap_out, True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PREC, SLIDING, SOFTCAP,
         )  # fmt: skip
     if NUM_SPLITS == 1:
         out = acc / l_i[:, None]
@@ -209,10 +242,19 @@ def _decode_kernel(
 
 
 @triton.jit
+def _first_tile(ctx, window, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr):
+    """The first key tile a decode query at position ctx - 1 sees (0 without a window)."""
+    first = 0
+    if SLIDING:
+        first = tl.maximum(ctx - window, 0) // BLOCK_N
+    return first
+
+
+@triton.jit
 def _decode_reduce_kernel(
-    out_ptr, part_acc_ptr, part_ml_ptr, cu_q_lens_ptr, context_lens_ptr, stride_ot, stride_oh,
+    out_ptr, part_acc_ptr, part_ml_ptr, cu_q_lens_ptr, context_lens_ptr, stride_ot, stride_oh, window,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SLIDING: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -220,7 +262,7 @@ def _decode_reduce_kernel(
     if tl.load(cu_q_lens_ptr + seq + 1) == q_idx:
         return
     ctx = tl.load(context_lens_ptr + seq)
-    n_tiles = tl.cdiv(ctx, BLOCK_N)
+    n_tiles = tl.cdiv(ctx, BLOCK_N) - _first_tile(ctx, window, BLOCK_N, SLIDING)
     n_splits = tl.cdiv(n_tiles, tl.cdiv(n_tiles, NUM_SPLITS))  # splits that hold any tile
     sp = tl.arange(0, SPLITS_PAD)
     sp_ok = sp < n_splits
@@ -259,6 +301,11 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, bl
     return int(max(1, min(want, most, 64)))
 
 
+def _softcap_args(scale: float, logit_softcap: float) -> tuple[float, float]:
+    """(cap_in, cap_out) for ``_attend_tile``; unused (1.0) without a soft-cap."""
+    return (scale / logit_softcap, logit_softcap / scale) if logit_softcap else (1.0, 1.0)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -266,6 +313,8 @@ def paged_decode_attention(
     meta: AttentionMetadata,
     scale: float,
     *,
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int = 4,
@@ -283,9 +332,9 @@ def paged_decode_attention(
     if block_n is None:
         block_n = 64 if on_gpu else 16
     if num_splits is None:
-        num_splits = decode_num_splits(
-            num_seqs, num_kv_heads, meta.max_context_len, block_n, _num_sms(q.device)
-        )
+        seen = min(meta.max_context_len, sliding_window) if sliding_window else meta.max_context_len
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, seen, block_n, _num_sms(q.device))
+    cap_in, cap_out = _softcap_args(scale, logit_softcap)
     d_pad = triton.next_power_of_2(head_dim)
     if num_splits > 1:
         part_acc = torch.empty((num_seqs, num_heads, num_splits, d_pad), dtype=torch.float32, device=q.device)
@@ -294,20 +343,22 @@ def paged_decode_attention(
         part_acc = part_ml = out  # unused
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_ml,
-        meta.block_table, meta.cu_q_lens, meta.context_lens, scale * _LOG2E,
+        meta.block_table, meta.cu_q_lens, meta.context_lens, scale * _LOG2E, sliding_window, cap_in, cap_out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_table.stride(0),
         NUM_HEADS=num_heads, GROUP=group, M_PAD=max(16, triton.next_power_of_2(group)),
         NUM_SPLITS=num_splits, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, D_PAD=d_pad, DOT_PREC=_dot_precision(q.dtype),
+        SLIDING=bool(sliding_window), SOFTCAP=bool(logit_softcap),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, part_acc, part_ml, meta.cu_q_lens, meta.context_lens, out.stride(0), out.stride(1),
+            sliding_window,
             NUM_HEADS=num_heads, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            BLOCK_N=block_n, HEAD_DIM=head_dim, D_PAD=d_pad,
+            BLOCK_N=block_n, HEAD_DIM=head_dim, D_PAD=d_pad, SLIDING=bool(sliding_window),
             num_warps=4 if d_pad >= 128 else 1,
         )  # fmt: skip
     return out
@@ -320,6 +371,8 @@ def paged_prefill_attention(
     meta: AttentionMetadata,
     scale: float,
     *,
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -348,14 +401,16 @@ def paged_prefill_attention(
     block_q = max(1, block_m // g_pad)
     # q-blocks are numbered cu_q_lens[s] // block_q + s, so this many cover every sequence
     num_qblocks = num_tokens // block_q + num_seqs
+    cap_in, cap_out = _softcap_args(scale, logit_softcap)
     _prefill_kernel[(num_qblocks, num_kv_heads)](
         q, k_cache, v_cache, out, meta.block_table, meta.cu_q_lens, meta.context_lens,
-        scale * _LOG2E, num_seqs,
+        scale * _LOG2E, num_seqs, sliding_window, cap_in, cap_out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_table.stride(0),
         GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, D_PAD=d_pad, DOT_PREC=_dot_precision(q.dtype),
+        SLIDING=bool(sliding_window), SOFTCAP=bool(logit_softcap),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
@@ -367,6 +422,9 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    *,
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of a ragged batch over the cache; see ``reference.paged_attention``.
 
@@ -376,6 +434,7 @@ def paged_attention(
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert k_cache.shape[1] & (k_cache.shape[1] - 1) == 0, "block_size must be a power of two"
     assert not math.isnan(scale)
+    options = {"sliding_window": sliding_window, "logit_softcap": logit_softcap}
     if meta.max_q_len <= 1:
-        return paged_decode_attention(q, k_cache, v_cache, meta, scale)
-    return paged_prefill_attention(q, k_cache, v_cache, meta, scale)
+        return paged_decode_attention(q, k_cache, v_cache, meta, scale, **options)
+    return paged_prefill_attention(q, k_cache, v_cache, meta, scale, **options)

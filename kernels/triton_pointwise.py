@@ -1,5 +1,5 @@
-"""Triton twins of the row-wise reference ops: RMSNorm, SiLU-and-mul, and rotary embedding fused
-with the KV append.
+"""Triton twins of the row-wise reference ops: RMSNorm, SiLU- and GELU-and-mul, rotary embedding
+fused with the KV append, and the plain KV append.
 
 Each op matches ``reference`` in signature and rounding: intermediate values are rounded to the input
 dtype exactly where the reference rounds them, so results agree to the last bit up to fp32
@@ -73,36 +73,67 @@ def rms_norm(
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, BLOCK: tl.constexpr):
+def _tanh(x):
+    """tanh from exp (no tanh in tl.math on every Triton version); saturates to +-1 without NaN."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _act_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, GELU_TANH: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
     gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=ok, other=0.0)
     g = gate.to(tl.float32)
-    # why: torch rounds silu(gate) to the input dtype before the product
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    if GELU_TANH:  # torch's gelu(approximate="tanh"): 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
+        act = 0.5 * g * (1.0 + _tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
+    else:
+        act = g / (1.0 + tl.exp(-g))
+    # why: torch rounds act(gate) to the input dtype before the product
+    act = act.to(gate.dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (act * up.to(tl.float32)).to(gate.dtype), mask=ok)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x: [T, 2I] holding gate then up projections -> silu(gate) * up: [T, I]."""
+def _act_and_mul(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     inter = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * inter)
     out = torch.empty((x2.shape[0], inter), dtype=x.dtype, device=x.device)
     if x2.shape[0] > 0 and inter > 0:
         block = min(1024, triton.next_power_of_2(inter))
         grid = (x2.shape[0], triton.cdiv(inter, block))
-        _silu_and_mul_kernel[grid](x2, out, x2.stride(0), out.stride(0), inter, BLOCK=block)
+        _act_and_mul_kernel[grid](x2, out, x2.stride(0), out.stride(0), inter, GELU_TANH=gelu_tanh, BLOCK=block)
     return out.view(*x.shape[:-1], inter)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2I] holding gate then up projections -> silu(gate) * up: [T, I]."""
+    return _act_and_mul(x, gelu_tanh=False)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU: x: [T, 2I] holding gate then up -> gelu_tanh(gate) * up: [T, I]."""
+    return _act_and_mul(x, gelu_tanh=True)
+
+
+@triton.jit
+def _copy_heads(src, dst, stride_src_h, stride_dst_h, num_heads, width, HEADS_PAD: tl.constexpr, W_PAD: tl.constexpr):
+    """Copy ``width`` values of each of ``num_heads`` heads from ``src`` to ``dst`` (cast to dst's dtype)."""
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    cols = tl.arange(0, W_PAD)[None, :]
+    ok = (heads < num_heads) & (cols < width)
+    x = tl.load(src + heads * stride_src_h + cols, mask=ok)
+    tl.store(dst + heads * stride_dst_h + cols, x.to(dst.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def _rotate_heads(
     src, dst, stride_src_h, stride_dst_h, cos, sin, num_heads,
-    HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, TAIL: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
 ):  # fmt: skip
-    """Rotate-half the ``num_heads`` heads of one token from ``src`` into ``dst`` (both at the token)."""
+    """Rotate-half the first 2 * HALF values of the ``num_heads`` heads of one token from ``src`` into
+    ``dst`` (both at the token); the TAIL values after them (partial rotary) are copied unchanged."""
     heads = tl.arange(0, HEADS_PAD)[:, None]
     cols = tl.arange(0, HALF_PAD)[None, :]
     ok = (heads < num_heads) & (cols < HALF)
@@ -114,6 +145,8 @@ def _rotate_heads(
     out_ty = dst.dtype.element_ty
     tl.store(dst + heads * stride_dst_h + cols, (a * cos - b * sin).to(x1.dtype).to(out_ty), mask=ok)
     tl.store(dst + heads * stride_dst_h + HALF + cols, (b * cos + a * sin).to(x1.dtype).to(out_ty), mask=ok)
+    if TAIL > 0:
+        _copy_heads(src + 2 * HALF, dst + 2 * HALF, stride_src_h, stride_dst_h, num_heads, TAIL, HEADS_PAD, TAIL_PAD)
 
 
 @triton.jit
@@ -122,8 +155,8 @@ def _rotary_kv_append_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qot, stride_qoh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_cos_sin,
     num_q_heads, num_kv_heads, head_dim,
-    BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-    QH_PAD: tl.constexpr, KH_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, TAIL: tl.constexpr,
+    TAIL_PAD: tl.constexpr, QH_PAD: tl.constexpr, KH_PAD: tl.constexpr, D_PAD: tl.constexpr,
 ):  # fmt: skip
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
@@ -132,7 +165,7 @@ def _rotary_kv_append_kernel(
     sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + HALF + cols, mask=cols < HALF, other=0.0)[None, :]
     _rotate_heads(
         q_ptr + tok * stride_qt, q_out_ptr + tok * stride_qot, stride_qh, stride_qoh, cos, sin,
-        num_q_heads, QH_PAD, HALF, HALF_PAD,
+        num_q_heads, QH_PAD, HALF, HALF_PAD, TAIL, TAIL_PAD,
     )  # fmt: skip
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     if slot < 0:  # why: a negative slot marks a padding token (e.g. in a CUDA-graph batch)
@@ -141,14 +174,12 @@ def _rotary_kv_append_kernel(
     offset = slot % BLOCK_SIZE
     _rotate_heads(
         k_ptr + tok * stride_kt, k_cache_ptr + block * stride_kcb + offset * stride_kcs, stride_kh, stride_kch,
-        cos, sin, num_kv_heads, KH_PAD, HALF, HALF_PAD,
+        cos, sin, num_kv_heads, KH_PAD, HALF, HALF_PAD, TAIL, TAIL_PAD,
     )  # fmt: skip
-    heads = tl.arange(0, KH_PAD)[:, None]
-    d = tl.arange(0, D_PAD)[None, :]
-    ok = (heads < num_kv_heads) & (d < head_dim)
-    v = tl.load(v_ptr + tok * stride_vt + heads * stride_vh + d, mask=ok)
-    v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + heads * stride_vch + d
-    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
+    _copy_heads(
+        v_ptr + tok * stride_vt, v_cache_ptr + block * stride_vcb + offset * stride_vcs, stride_vh, stride_vch,
+        num_kv_heads, head_dim, KH_PAD, D_PAD,
+    )  # fmt: skip
 
 
 def rotary_kv_append(
@@ -161,8 +192,9 @@ def rotary_kv_append(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
-    """Rotate q and k, write the rotated k and v into the cache; one launch, a program per token.
-    Returns the rotated q. See ``reference.rotary_kv_append``."""
+    """Rotate q and k (the first ``cos_sin_cache.shape[-1]`` values of each head), write the rotated
+    k and v into the cache; one launch, a program per token. Returns the rotated q. See
+    ``reference.rotary_kv_append``."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -170,7 +202,8 @@ def rotary_kv_append(
         return q_out
     for t in (q, k, v, k_cache, v_cache, cos_sin_cache):
         assert t.stride(-1) == 1, "the last dimension must be contiguous"
-    half = head_dim // 2
+    half = cos_sin_cache.shape[-1] // 2
+    tail = head_dim - 2 * half
     _rotary_kv_append_kernel[(num_tokens,)](
         q, k, v, q_out, k_cache, v_cache, positions, slot_mapping, cos_sin_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -181,8 +214,59 @@ def rotary_kv_append(
         BLOCK_SIZE=k_cache.shape[1],
         HALF=half,
         HALF_PAD=triton.next_power_of_2(half),
+        TAIL=tail,
+        TAIL_PAD=triton.next_power_of_2(max(tail, 1)),
         QH_PAD=triton.next_power_of_2(num_q_heads),
         KH_PAD=triton.next_power_of_2(num_kv_heads),
         D_PAD=triton.next_power_of_2(head_dim),
     )  # fmt: skip
     return q_out
+
+
+@triton.jit
+def _kv_append_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    num_kv_heads, head_dim,
+    BLOCK_SIZE: tl.constexpr, KH_PAD: tl.constexpr, D_PAD: tl.constexpr,
+):  # fmt: skip
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot < 0:  # a padding token
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    _copy_heads(
+        k_ptr + tok * stride_kt, k_cache_ptr + block * stride_kcb + offset * stride_kcs, stride_kh, stride_kch,
+        num_kv_heads, head_dim, KH_PAD, D_PAD,
+    )  # fmt: skip
+    _copy_heads(
+        v_ptr + tok * stride_vt, v_cache_ptr + block * stride_vcb + offset * stride_vcs, stride_vh, stride_vch,
+        num_kv_heads, head_dim, KH_PAD, D_PAD,
+    )  # fmt: skip
+
+
+def kv_append(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each token's key and value into its cache slot (models without rotary, e.g. OPT);
+    one launch, no host sync. See ``reference.kv_append``."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    for t in (k, v, k_cache, v_cache):
+        assert t.stride(-1) == 1, "the last dimension must be contiguous"
+    _kv_append_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        num_kv_heads, head_dim,
+        BLOCK_SIZE=k_cache.shape[1], KH_PAD=triton.next_power_of_2(num_kv_heads),
+        D_PAD=triton.next_power_of_2(head_dim),
+    )  # fmt: skip

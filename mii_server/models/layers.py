@@ -77,13 +77,23 @@ def even_shard(total: int, tp: TensorParallelGroup) -> tuple[int, int, int]:
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T (+ b) with W's input columns split over the ranks and the partial sums all-reduced."""
+    """y = x W^T (+ b) with W's input columns split over the ranks and the partial sums all-reduced.
+
+    ``reduce=False`` returns this rank's partial sum (the caller reduces it with others, once)."""
 
     def __init__(
-        self, in_features: int, out_features: int, tp: TensorParallelGroup, bias: bool, dtype: torch.dtype
+        self,
+        in_features: int,
+        out_features: int,
+        tp: TensorParallelGroup,
+        bias: bool,
+        dtype: torch.dtype,
+        reduce: bool = True,
     ) -> None:
         super().__init__()
+        assert reduce or not bias, "a bias must be added once, after the reduction"
         self.tp = tp
+        self.reduce = reduce
         self.in_start, in_share = tp.split(in_features)
         self.weight = nn.Parameter(torch.empty(out_features, in_share, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self._load_weight  # type: ignore[attr-defined]
@@ -97,7 +107,9 @@ class RowParallelLinear(nn.Module):
         _copy(param, narrow(source, 1, self.in_start, param.shape[1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(nn.functional.linear(x, self.weight))
+        y = nn.functional.linear(x, self.weight)
+        if self.reduce:
+            y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 
@@ -149,6 +161,25 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm (with bias) behind RMSNorm's interface: takes and returns the residual stream
+    (``ops`` is accepted for RMSNorm's signature; torch's layer_norm is already one kernel)."""
+
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype, ops: Any = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(hidden, dtype=dtype), requires_grad=False)
+        for param in (self.weight, self.bias):
+            param.weight_loader = lambda p, s, shard_id=0: _copy(p, s[:])  # type: ignore[attr-defined]
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        stream = x if residual is None else x + residual
+        return nn.functional.layer_norm(stream, self.weight.shape, self.weight, self.bias, self.eps), stream
 
 
 def rope_cos_sin_cache(

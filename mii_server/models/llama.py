@@ -1,21 +1,25 @@
-"""Llama family (Llama 1/2/3, and the base of Mistral and Qwen2) on tensor-parallel layers.
+"""Llama family (Llama 1/2/3) on tensor-parallel layers, and the decoder the other families build on.
 
 Reads as the spec: T tokens of a ragged batch flow through embedding, N decoder layers (attention
 over the blocked KV cache, SwiGLU MLP) and the LM head, which sees only each sequence's last token.
+Another family differs by its ``ArchitectureSpec`` (biases, rotary width, per-head q/k norms, windows,
+soft-caps, experts), by the classes its layers are made of, and by its checkpoint names.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..errors import UnsupportedModel
 from ..kernels import AttentionMetadata
+from .checkpoint import CheckpointNames, load_checkpoint
 from .layers import (
     ColumnParallelLinear,
+    LayerNorm,
     ParallelLMHead,
     RMSNorm,
     RowParallelLinear,
@@ -25,6 +29,10 @@ from .layers import (
 )
 from .parallel import TensorParallelGroup
 from .spec import ArchitectureSpec
+
+_QK_NORMS = {"rms": RMSNorm, "layer": LayerNorm}
+# transformers' activation name -> the fused act-and-mul op of a gated MLP
+_GATED_ACTIVATIONS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul"}
 
 
 def kv_head_shard(num_kv_heads: int, tp: TensorParallelGroup) -> tuple[int, int]:
@@ -38,14 +46,20 @@ def kv_head_shard(num_kv_heads: int, tp: TensorParallelGroup) -> tuple[int, int]
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, spec: ArchitectureSpec, tp: TensorParallelGroup, dtype: torch.dtype, ops: Any) -> None:
+    """Attention of layer ``index`` over the paged KV cache (rotary, windows and soft-cap per the spec)."""
+
+    def __init__(
+        self, spec: ArchitectureSpec, index: int, tp: TensorParallelGroup, dtype: torch.dtype, ops: Any
+    ) -> None:
         super().__init__()
         self.ops = ops
         d = spec.head_dim
         q_start, self.num_heads = tp.split(spec.num_heads)
         kv_start, self.num_kv_heads = kv_head_shard(spec.num_kv_heads, tp)
         self.head_dim = d
-        self.scale = d**-0.5
+        self.scale = spec.attention_scale
+        self.rotary = spec.rotary_dim > 0
+        self.options = {"sliding_window": spec.sliding_window(index), "logit_softcap": spec.attn_logit_softcap}
         self.qkv_proj = ColumnParallelLinear(
             spec.hidden_size,
             [
@@ -57,46 +71,85 @@ class LlamaAttention(nn.Module):
             bias=spec.qkv_bias,
             dtype=dtype,
         )
-        self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden_size, tp, bias=False, dtype=dtype)
+        self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden_size, tp, bias=spec.o_bias, dtype=dtype)
+        # Qwen3 (RMSNorm) and Phi's qk_layernorm: each head of q and k normed over D before rotary
+        qk_norm = _QK_NORMS.get(spec.qk_norm)
+        self.q_norm = None if qk_norm is None else qk_norm(d, spec.rms_norm_eps, dtype, ops)
+        self.k_norm = None if qk_norm is None else qk_norm(d, spec.rms_norm_eps, dtype, ops)
 
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
         meta: AttentionMetadata,
-        cos_sin: torch.Tensor,  # [max_positions, D]
+        cos_sin: torch.Tensor,  # [max_positions, rotary_dim]
         k_cache: torch.Tensor,  # [B, block_size, Hk, D]
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hk) D]
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
-        q = self.ops.rotary_kv_append(
-            q.reshape(t, self.num_heads, d), k.reshape(t, self.num_kv_heads, d), v.reshape(t, self.num_kv_heads, d),
-            meta.positions, cos_sin, k_cache, v_cache, meta.slot_mapping,
-        )  # fmt: skip
-        out = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
+        q, k, v = q.reshape(t, self.num_heads, d), k.reshape(t, self.num_kv_heads, d), v.reshape(t, -1, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q)[0], self.k_norm(k)[0]
+        if self.rotary:
+            q = self.ops.rotary_kv_append(q, k, v, meta.positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
+        else:
+            self.ops.kv_append(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale, **self.options)  # [T, Hq, D]
         return self.o_proj(out.reshape(t, self.num_heads * d))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, spec: ArchitectureSpec, tp: TensorParallelGroup, dtype: torch.dtype, ops: Any) -> None:
+    """Gated MLP: down(act(gate(x)) * up(x)), SwiGLU or GeGLU per ``spec.hidden_act``.
+
+    ``reduce=False`` leaves the down projection's partial sum unreduced (a shared expert's output
+    joins the routed experts' before the layer's one all-reduce)."""
+
+    def __init__(
+        self,
+        spec: ArchitectureSpec,
+        tp: TensorParallelGroup,
+        dtype: torch.dtype,
+        ops: Any,
+        intermediate_size: int | None = None,
+        reduce: bool = True,
+    ) -> None:
         super().__init__()
-        self.ops = ops
-        shard = even_shard(spec.intermediate_size, tp)
-        self.gate_up_proj = ColumnParallelLinear(spec.hidden_size, [shard, shard], tp, bias=False, dtype=dtype)
-        self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size, tp, bias=False, dtype=dtype)
+        op = _GATED_ACTIVATIONS.get(spec.hidden_act)
+        if op is None:
+            raise UnsupportedModel(
+                f"gated MLP activation {spec.hidden_act!r} is not supported ({', '.join(_GATED_ACTIVATIONS)} are)"
+            )
+        self.act_and_mul = getattr(ops, op)
+        inter = intermediate_size or spec.intermediate_size
+        shard = even_shard(inter, tp)
+        self.gate_up_proj = ColumnParallelLinear(spec.hidden_size, [shard, shard], tp, bias=spec.mlp_bias, dtype=dtype)
+        self.down_proj = RowParallelLinear(inter, spec.hidden_size, tp, bias=spec.mlp_bias, dtype=dtype, reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, spec: ArchitectureSpec, tp: TensorParallelGroup, dtype: torch.dtype, ops: Any) -> None:
+    """Pre-norm block: h = x + attention(norm(x)); out = h + mlp(norm(h)), with the residual stream
+    carried beside the block's output so each norm fuses the add."""
+
+    attention_cls: type[nn.Module] = LlamaAttention
+    norm_cls: type[nn.Module] = RMSNorm
+
+    def __init__(
+        self, spec: ArchitectureSpec, index: int, tp: TensorParallelGroup, dtype: torch.dtype, ops: Any
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(spec, tp, dtype, ops)
-        self.mlp = LlamaMLP(spec, tp, dtype, ops)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, ops)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, ops)
+        self.self_attn = self.attention_cls(spec, index, tp, dtype, ops)
+        self.mlp = self.make_mlp(spec, index, tp, dtype, ops)
+        self.input_layernorm = self.norm_cls(spec.hidden_size, spec.rms_norm_eps, dtype, ops)
+        self.post_attention_layernorm = self.norm_cls(spec.hidden_size, spec.rms_norm_eps, dtype, ops)
+
+    def make_mlp(
+        self, spec: ArchitectureSpec, index: int, tp: TensorParallelGroup, dtype: torch.dtype, ops: Any
+    ) -> nn.Module:
+        return LlamaMLP(spec, tp, dtype, ops)
 
     def forward(
         self,
@@ -113,67 +166,66 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-# Hugging Face parameter name -> (our parameter name, shard of a packed matrix)
-_PACKED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-_PACKED_NAME = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
-
-
 class LlamaForCausalLM(nn.Module):
-    """Decoder-only Llama: ``forward(input_ids, meta, kv_cache) -> float32 logits [S, vocab]``."""
+    """Decoder-only Llama: ``forward(input_ids, meta, kv_cache) -> float32 logits [S, vocab]``.
+
+    Hooks for other families: ``spec_from_config`` (read and validate the config), ``layer_cls`` /
+    ``make_layer``, ``norm_cls``, ``embed`` and ``logits``, ``checkpoint_names`` and ``checkpoint_parts``.
+    """
 
     qkv_bias = False
+    layer_cls: type[nn.Module] = LlamaDecoderLayer
+    norm_cls: type[nn.Module] = RMSNorm
+    checkpoint_names = CheckpointNames()
+
+    @classmethod
+    def spec_from_config(cls, config: Any) -> ArchitectureSpec:
+        """The spec of a Hugging Face config; raises UnsupportedModel for a variant we cannot run."""
+        return ArchitectureSpec.from_hf_config(config, qkv_bias=cls.qkv_bias)
 
     def __init__(self, spec: ArchitectureSpec, tp: TensorParallelGroup, dtype: torch.dtype, ops: Any) -> None:
         super().__init__()
         self.spec = spec
         self.tp = tp
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, tp, dtype, ops) for _ in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, ops)
+        self.layers = nn.ModuleList(self.make_layer(spec, i, tp, dtype, ops) for i in range(spec.num_layers))
+        self.norm = self.norm_cls(spec.hidden_size, spec.rms_norm_eps, dtype, ops)
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tp, dtype)
-        cos_sin = rope_cos_sin_cache(spec.head_dim, spec.max_positions, spec.rope_theta, spec.rope_scaling)
+        cos_sin = (
+            rope_cos_sin_cache(spec.rotary_dim, spec.max_positions, spec.rope_theta, spec.rope_scaling)
+            if spec.rotary_dim
+            else torch.empty(0)
+        )
         self.register_buffer("cos_sin", cos_sin, persistent=False)
 
+    def make_layer(
+        self, spec: ArchitectureSpec, index: int, tp: TensorParallelGroup, dtype: torch.dtype, ops: Any
+    ) -> nn.Module:
+        return self.layer_cls(spec, index, tp, dtype, ops)
+
+    def embed(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:  # [T] -> [T, hidden]
+        return self.embed_tokens(input_ids)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> float32 [S, vocab]
+        return self.lm_head(h)
+
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: Any) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)  # [T, hidden]
+        h = self.embed(input_ids, meta)  # [T, hidden]
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache.layer(i)
             h, residual = layer(h, residual, meta, self.cos_sin, k_cache, v_cache)
         h, _ = self.norm(h, residual)
-        return self.lm_head(h[meta.last_token_indices])  # [S, vocab]
+        return self.logits(h[meta.last_token_indices])  # [S, vocab]
+
+    def checkpoint_parts(self, name: str, source: Any, shard: Any) -> Iterable[tuple[Any, Any]]:
+        """(view, shard id) pieces of checkpoint tensor ``source`` for our parameter ``name``; a family
+        whose checkpoint fuses what we keep packed (Phi-3, Falcon) splits it here."""
+        return ((source, shard),)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Copy checkpoint tensors (name, tensor or safetensors slice) into this rank's shards.
 
         Raises ValueError naming any parameter the checkpoint did not provide.
         """
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for hf_name, source in weights:
-            name = hf_name.removeprefix("model.")
-            if "rotary_emb" in name:
-                continue
-            shard_id = 0
-            match = _PACKED_NAME.search(name)
-            if match:
-                ours, shard_id = _PACKED[match.group(1)]
-                name = name.replace(f".{match.group(1)}.", f".{ours}.")
-            targets = [name]
-            if name == "embed_tokens.weight" and self.spec.tie_word_embeddings:
-                targets.append("lm_head.weight")
-            for target in targets:
-                param = params.get(target)
-                if param is None:
-                    raise ValueError(f"checkpoint tensor {hf_name} matches no parameter of {type(self).__name__}")
-                param.weight_loader(param, source, shard_id)
-                loaded.add(target)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {', '.join(missing[:4])}")
+        load_checkpoint(self, weights, self.spec.tie_word_embeddings)

@@ -96,7 +96,7 @@ def load_model(
     tp = tp or TensorParallelGroup()
     hf_config = AutoConfig.from_pretrained(str(path))
     model_cls = model_class_for(hf_config.model_type)
-    spec = ArchitectureSpec.from_hf_config(hf_config, qkv_bias=model_cls.qkv_bias)
+    spec = model_cls.spec_from_config(hf_config)
     dtype = pick_dtype(dtype_name, device, hf_config)
     from ..kernels import get_ops
 

@@ -1,6 +1,7 @@
 """Mistral: the Llama decoder with grouped-query attention and an (optional) sliding window.
 
-The window caps the context (ArchitectureSpec.max_positions), within which attention is full.
+The window (``sliding_window``, every layer) is masked in attention: a token sees the last
+``sliding_window`` positions, itself included.
 """
 
 from __future__ import annotations

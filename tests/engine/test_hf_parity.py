@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,11 @@ PROMPTS = [
     "Deployments",
 ]
 NEW_TOKENS = 24
+# the families beyond Llama's first three (tests/conftest.py's TINY_VARIANTS)
+FAMILIES = [
+    "mixtral", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "phi", "falcon", "falcon_7b", "falcon_sequential",
+    "opt", "gemma2",
+]  # fmt: skip
 
 
 def hf_greedy(path: Path, prompts: list[str], new_tokens: int) -> list[list[int]]:
@@ -40,8 +47,9 @@ def hf_greedy(path: Path, prompts: list[str], new_tokens: int) -> list[list[int]
 
 
 @pytest.fixture(scope="module")
-def hf_outputs(tiny_checkpoints: dict[str, Path]) -> dict[str, list[list[int]]]:
-    return {name: hf_greedy(path, PROMPTS, NEW_TOKENS) for name, path in tiny_checkpoints.items()}
+def hf_outputs(tiny_checkpoints: Mapping[str, Path]) -> Callable[[str], list[list[int]]]:
+    """variant -> transformers' greedy tokens for PROMPTS (computed once per variant)."""
+    return functools.cache(lambda name: hf_greedy(tiny_checkpoints[name], PROMPTS, NEW_TOKENS))
 
 
 ENGINE_SETUPS = {
@@ -51,18 +59,44 @@ ENGINE_SETUPS = {
     # A cache too small for all five sequences at once: forces preemption and recompute.
     "preemption": {"kv_cache": {"block_size": 4, "num_blocks": 30}},
 }
+# every engine setup for the first families; one forward of whole prompts for the others, and split
+# prompts too where a sliding window makes a prompt chunk's context matter
+ENGINE_CASES = [
+    *((variant, setup) for variant in ("llama", "llama3", "mistral", "qwen2") for setup in sorted(ENGINE_SETUPS)),
+    *((variant, "roomy") for variant in FAMILIES),
+    ("phi3", "split_prompts"),
+    ("gemma2", "split_prompts"),
+]
 
 
-@pytest.mark.parametrize("setup", sorted(ENGINE_SETUPS))
-@pytest.mark.parametrize("variant", ["llama", "llama3", "mistral", "qwen2"])
+@pytest.mark.parametrize(("variant", "setup"), ENGINE_CASES)
 def test_greedy_matches_transformers(
-    variant: str, setup: str, tiny_checkpoints: dict[str, Path], hf_outputs: dict[str, list[list[int]]]
+    variant: str, setup: str, tiny_checkpoints: Mapping[str, Path], hf_outputs: Callable[[str], list[list[int]]]
 ) -> None:
     pipe = mii_server.pipeline(str(tiny_checkpoints[variant]), **ENGINE_SETUPS[setup])
     responses = pipe(PROMPTS, max_new_tokens=NEW_TOKENS, do_sample=False, ignore_eos=True)
-    assert [r.token_ids for r in responses] == hf_outputs[variant]
+    assert [r.token_ids for r in responses] == hf_outputs(variant)
     assert all(r.finish_reason == "length" and r.generated_length == NEW_TOKENS for r in responses)
     if setup == "preemption":
         assert pipe.loop.scheduler.num_preemptions > 0
     assert pipe.loop.engine.free_blocks == pipe.loop.engine.total_blocks  # every block returned
     pipe.destroy()
+
+
+@pytest.mark.parametrize("variant", FAMILIES)
+def test_logits_match_transformers(variant: str, tiny_checkpoints: Mapping[str, Path]) -> None:
+    """The last position's logits of a prompt longer than any test window, and of one decode step
+    after it, equal transformers' (greedy tokens cannot see e.g. Gemma 2's final soft-cap)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tiny_checkpoints[variant]
+    ids = AutoTokenizer.from_pretrained(str(path)).encode(PROMPTS[3])  # 55 tokens
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = model(torch.tensor([ids + [7]])).logits[0, -2:]  # [2, vocab]
+    pipe = mii_server.pipeline(str(path))
+    engine = pipe.loop.engine
+    prefill = engine.put([0], [ids])  # [1, vocab]
+    decode = engine.put([0], [[7]])
+    pipe.destroy()
+    torch.testing.assert_close(torch.cat([prefill, decode]), expected, atol=1e-4, rtol=1e-4)

@@ -139,7 +139,8 @@ def test_bad_model_kwarg_value(tiny_checkpoints: dict[str, Path]) -> None:
 
 def test_unsupported_model_type_lists_the_supported_ones(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(UnsupportedModel, match="'gpt2' is not supported; supported: llama, mistral, qwen2"):
+    supported = "falcon, gemma2, llama, mistral, mixtral, opt, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe"
+    with pytest.raises(UnsupportedModel, match=f"'gpt2' is not supported; supported: {supported}"):
         mii_server.pipeline(str(tmp_path))
 
 

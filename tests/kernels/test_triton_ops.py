@@ -82,9 +82,13 @@ def _cos_sin_cache(max_positions: int, head_dim: int) -> torch.Tensor:
 @pytest.mark.parametrize(
     "num_q_heads,num_kv_heads,head_dim", [(32, 8, 128), (12, 4, 64)] if ON_GPU else [(4, 2, 16), (3, 1, 8)]
 )
-def test_rotary_kv_append(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int) -> None:
+@pytest.mark.parametrize("rotary_share", [1, 2, 4])  # 1 / rotary_share of each head rotates (Phi: partial)
+def test_rotary_kv_append(
+    dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int, rotary_share: int
+) -> None:
     tokens, num_blocks, block_size = 11, (64 if ON_GPU else 6), (16 if ON_GPU else 4)
-    cache = _cos_sin_cache(4096, head_dim)
+    rotary_dim = head_dim // rotary_share
+    cache = _cos_sin_cache(4096, rotary_dim)  # [P, R]: the first R of each head's D values rotate
     positions = torch.randint(0, 4096, (tokens,), device=DEVICE)
     # q, k and v as strided views into one fused projection, as a model produces them
     qkv = _rand(tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
@@ -101,6 +105,7 @@ def test_rotary_kv_append(dtype: torch.dtype, num_q_heads: int, num_kv_heads: in
     q_out = triton_ops.rotary_kv_append(q, k, v, positions, cache, k_cache, v_cache, slots)
     torch.testing.assert_close(q_out, q_ref, **ULP_TOL[dtype])
     torch.testing.assert_close(k_cache, k_ref, **ULP_TOL[dtype])  # every slot, the untouched ones too
+    assert torch.equal(q_out[..., rotary_dim:], q[..., rotary_dim:])  # the rest passes through
     assert torch.equal(v_cache, v_ref)
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -24,9 +25,13 @@ PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog.", "Numbers 0 1
         ("llama3", 2, False),
         ("qwen2", 2, True),  # all_rank_output: every rank returns the responses
         ("llama", 4, False),  # 4 ranks: the 2 KV heads are replicated
+        ("mixtral", 2, False),  # every expert split like an MLP, one all-reduce per MoE layer
+        ("qwen2_moe", 2, False),  # the same with the shared expert, and a dense layer
     ],
 )
-def test_tp_equals_tp1(variant: str, ranks: int, all_ranks: bool, tiny_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+def test_tp_equals_tp1(
+    variant: str, ranks: int, all_ranks: bool, tiny_checkpoints: Mapping[str, Path], tmp_path: Path
+) -> None:
     path = tiny_checkpoints[variant]
     out = tmp_path / "tp.json"
     base = free_port_block(2)
@@ -53,7 +58,7 @@ def test_tp_equals_tp1(variant: str, ranks: int, all_ranks: bool, tiny_checkpoin
         assert sharded["second"] == [r.token_ids for r in second]
 
 
-def test_tp_without_launcher_is_a_clear_error(tiny_checkpoints: dict[str, Path], monkeypatch) -> None:
+def test_tp_without_launcher_is_a_clear_error(tiny_checkpoints: Mapping[str, Path], monkeypatch) -> None:
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(InvalidRequest, match="torchrun --nproc-per-node 2"):
