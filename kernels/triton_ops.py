@@ -2,12 +2,19 @@
 
 ``mii_server.kernels.get_ops`` returns this module on CUDA when Triton imports. The kernels live in
 ``triton_pointwise`` (RMSNorm, SiLU-and-mul, rotary embedding fused with the KV append) and ``triton_attention``
-(ragged paged attention: a split-K decode kernel and a ragged prefill kernel behind one dispatch).
+(ragged paged attention: a split-K decode kernel and a ragged prefill kernel behind one dispatch),
+``triton_quant`` (int8 and FP6 weight-only GEMMs) and ``triton_fp8`` (fp8 activation quantization and
+GEMMs).
 """
 
 from __future__ import annotations
 
 from .triton_attention import paged_attention
+from .triton_fp8 import fp8_linear, quantize_fp8_per_token
 from .triton_pointwise import rms_norm, rotary_kv_append, silu_and_mul
+from .triton_quant import fp6_linear, int8_linear
 
-__all__ = ["paged_attention", "rms_norm", "rotary_kv_append", "silu_and_mul"]
+__all__ = [
+    "fp6_linear", "fp8_linear", "int8_linear", "paged_attention", "quantize_fp8_per_token", "rms_norm",
+    "rotary_kv_append", "silu_and_mul",
+]

@@ -118,7 +118,7 @@ def build_runtime(
     tp = tp or TensorParallelGroup()
     device = device or pick_device(config, tp.rank)
     path = model_path(config)
-    loaded = load_model(path, config.dtype, device, tp)
+    loaded = load_model(path, config.dtype, device, tp, config.quantization_mode)
     kv_heads = loaded.model.layers[0].self_attn.num_kv_heads
     spec = loaded.spec
     graphs = use_cuda_graphs(config, device, tp)
