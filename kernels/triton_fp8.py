@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .reference_quant import FP8_MAX, FP8_SCALE_FLOOR
+from .triton_quant import gemm_tile, store_gemm_tile
 
 FP8_GEMMS = ("auto", "triton", "scaled_mm")
 
@@ -69,13 +70,8 @@ def _fp8_gemm_kernel(
     GROUP_K: tl.constexpr, PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm, rn, m_ok, n_ok = gemm_tile(M, N, BLOCK_M, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    m_ok = rm < M
-    n_ok = rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + rk
@@ -91,10 +87,7 @@ def _fp8_gemm_kernel(
     if not PER_GROUP:
         acc = acc * tl.load(w_scale_ptr + rn * stride_ws, mask=n_ok, other=0.0)[None, :]
     acc = acc * tl.load(x_scale_ptr + rm, mask=m_ok, other=0.0)[:, None]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + rm[:, None] * stride_om + rn[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    store_gemm_tile(acc, out_ptr, bias_ptr, rm, rn, m_ok, n_ok, stride_om, HAS_BIAS)
 
 
 def _tiles(m: int) -> tuple[int, int, int, int, int]:

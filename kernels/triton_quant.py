@@ -34,6 +34,23 @@ def _fp6_to_fp16(code):
     return bits.to(tl.int16).to(tl.float16, bitcast=True)
 
 
+@triton.jit
+def gemm_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The output tile of this program of a (N tiles, M tiles) grid: rows, columns and their masks."""
+    rm = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rm, rn, rm < M, rn < N
+
+
+@triton.jit
+def store_gemm_tile(acc, out_ptr, bias_ptr, rm, rn, m_ok, n_ok, stride_om, HAS_BIAS: tl.constexpr):
+    """out[rm, rn] = acc (+ bias[rn]), rounded once to the output dtype."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rm[:, None] * stride_om + rn[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
 # why do_not_specialize: M changes with every batch; a Triton variant per value class of M would
 # compile in the middle of serving
 @triton.jit(do_not_specialize=["M"])
@@ -43,13 +60,8 @@ def _weight_only_gemm_kernel(
     FP6: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm, rn, m_ok, n_ok = gemm_tile(M, N, BLOCK_M, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    m_ok = rm < M
-    n_ok = rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     x_rows = x_ptr + rm[:, None] * stride_xm  # [BM, 1]
     w_cols = w_ptr + rn[None, :].to(tl.int64) * stride_wn  # [1, BN]
@@ -84,11 +96,7 @@ def _weight_only_gemm_kernel(
             x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
             acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PREC)
     scale = tl.load(scale_ptr + rn, mask=n_ok, other=0.0) * scale_factor  # [BN]
-    acc = acc * scale[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + rm[:, None] * stride_om + rn[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    store_gemm_tile(acc * scale[None, :], out_ptr, bias_ptr, rm, rn, m_ok, n_ok, stride_om, HAS_BIAS)
 
 
 def _tiles(m: int, fp6: bool) -> tuple[int, int, int, int, int]:

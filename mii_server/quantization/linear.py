@@ -44,7 +44,8 @@ def _read(source: Any) -> torch.Tensor:
 
 
 class _QuantizedLinear(nn.Module):
-    """Storage, scale handling and product shared by both parallel layouts."""
+    """Storage, scale handling and product shared by both parallel layouts; a layout provides the
+    loaders ``_load_weight`` and ``_load_scale`` (``weight_loader(param, source, shard_id)``)."""
 
     def __init__(
         self, rows: int, cols: int, scheme: QuantScheme, ops: Any, bias: nn.Parameter | None, device: torch.device
@@ -90,12 +91,6 @@ class _QuantizedLinear(nn.Module):
         with torch.no_grad():
             param[first_row : first_row + stored.shape[0]] = stored.to(param.device)
             self.weight_scale[first_row : first_row + stored.shape[0]] = scale.to(self.weight_scale.device)
-
-    def _load_weight(self, param: torch.Tensor, source: Any, shard_id: int = 0) -> None:
-        raise NotImplementedError
-
-    def _load_scale(self, param: torch.Tensor, source: Any, shard_id: int = 0) -> None:
-        raise NotImplementedError
 
     def extra_repr(self) -> str:
         return f"{self.scheme.weight_format}, weight={tuple(self.weight.shape)}, scale={tuple(self.weight_scale.shape)}"
