@@ -1,7 +1,7 @@
 """Quantization on one GPU: a Llama-3-8B-shaped model (random weights) in bf16, fp8 (both GEMMs), int8
 and wf6af16, with transformers bf16 as the baseline, in one run (issue 14).
 
-For each of our configurations:
+For each of our configurations (and bf16 weights over an fp8 KV cache):
 
 1. batch-1 decode: one 512-token prompt generating 128 tokens, ms per output token, beside the
    weight-read floor (the bytes of every weight a decode step reads, at the measured HBM rate);
@@ -42,13 +42,14 @@ import gpu_benchmark
 from checkpoints import LLAMA3_8B, write_random_llama
 from gpu_benchmark import HBM_BYTES_PER_S, drive, random_prompts, report
 
-# name -> (quantization_mode, fp8 GEMM)
-CONFIGS: dict[str, tuple[str | None, str]] = {
-    "bf16": (None, "auto"),
-    "fp8-scaled_mm": ("fp8", "scaled_mm"),
-    "fp8-triton": ("fp8", "triton"),
-    "int8": ("int8", "auto"),
-    "wf6af16": ("wf6af16", "auto"),
+# name -> (quantization_mode, fp8 GEMM, KV cache dtype)
+CONFIGS: dict[str, tuple[str | None, str, str]] = {
+    "bf16": (None, "auto", "auto"),
+    "fp8-scaled_mm": ("fp8", "scaled_mm", "auto"),
+    "fp8-triton": ("fp8", "triton", "auto"),
+    "int8": ("int8", "auto", "auto"),
+    "wf6af16": ("wf6af16", "auto", "auto"),
+    "bf16-kv-fp8": (None, "auto", "fp8"),
 }
 TARGETS = {"fp8_batch1_ms": 2.6, "fp8_throughput_vs_bf16": 1.3}
 TINY = {**LLAMA3_8B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -85,19 +86,21 @@ def run_config(name: str, path: Path, args: argparse.Namespace, base: dict[str, 
     from mii_server.config import ModelConfig
     from mii_server.runtime import build_loop, build_runtime
 
-    mode, gemm = CONFIGS[name]
+    mode, gemm, kv_dtype = CONFIGS[name]
     os.environ["MII_SERVER_FP8_GEMM"] = gemm
     start = time.perf_counter()
     config = ModelConfig(
         model_name_or_path=str(path), dtype="bfloat16" if args.device == "cuda" else "float32",
         device=args.device, quantization_mode=mode, max_ragged_batch_size=args.batch_tokens,
         max_ragged_sequence_count=256, max_tracked_sequences=512, cuda_graph_max_batch=256,
+        kv_cache={"dtype": kv_dtype},
     )  # fmt: skip
     runtime = build_runtime(config)
     loop = build_loop(config, runtime)
     read_bytes = read_bytes_per_step(runtime.loaded.model)
     floor_ms = read_bytes / HBM_BYTES_PER_S * 1e3
-    report(f"{name}_loaded", seconds=time.perf_counter() - start, weight_read_gib=read_bytes / 2**30)
+    report(f"{name}_loaded", seconds=time.perf_counter() - start, weight_read_gib=read_bytes / 2**30,
+           kv_blocks=runtime.engine.total_blocks)
     rng = torch.Generator().manual_seed(0)
     drive(loop, random_prompts(rng, [600, 37, 5]), [20, 9, 40])  # warm-up: compile the eager shapes
     drive(loop, random_prompts(rng, [40] * 16), [4] * 16)

@@ -48,7 +48,8 @@ def _attend_tile(
     MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
-    """One online-softmax step of q [M, D] against BLOCK_N cached keys from ``tile_start``."""
+    """One online-softmax step of q [M, D] against BLOCK_N cached keys from ``tile_start``. Keys and
+    values are read in q's dtype (an fp8 cache is widened; a cache in q's dtype is unchanged)."""
     pos = tile_start + tl.arange(0, BLOCK_N)  # [N] key positions
     d = tl.arange(0, D_PAD)
     if MASKED:
@@ -65,7 +66,7 @@ def _attend_tile(
         MASKED,
         HEAD_DIM,
         D_PAD,
-    )  # [N, D]
+    ).to(q.dtype)  # [N, D]
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [M, N], unscaled
     if MASKED:
         keep = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] < ctx)
@@ -81,8 +82,8 @@ def _attend_tile(
         MASKED,
         HEAD_DIM,
         D_PAD,
-    )  # [N, D]
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    ).to(q.dtype)  # [N, D]
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PREC)
     return acc, m_new, l_i
 
 

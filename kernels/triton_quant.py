@@ -107,7 +107,7 @@ def _tiles(m: int, fp6: bool) -> tuple[int, int, int, int, int]:
         return 16, 32, 64 if fp6 else 256, 4, 4
     if m <= 64:
         return 64, 64, 32 if fp6 else 128, 4, 4
-    return 128, 128, 16 if fp6 else 64, 8, 3
+    return 128, 128, 32 if fp6 else 64, 8, 3
 
 
 def _weight_only_linear(

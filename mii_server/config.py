@@ -44,6 +44,12 @@ class KVCacheConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     block_size: int = Field(default=64, ge=1, le=1024, description="Token slots per KV block.")
+    dtype: Literal["auto", "fp8"] = Field(
+        default="auto",
+        description="Element type of the cached keys and values: auto is the model dtype; fp8 stores "
+        "float8 e4m3 without scales (values past +-448 saturate), half of bf16's bytes for twice the "
+        "blocks, read back into the model dtype by attention.",
+    )
     num_blocks: int | None = Field(default=None, ge=1, description="Exact number of KV blocks to allocate.")
     memory_bytes: int | None = Field(
         default=None, ge=1, description="Bytes to spend on KV blocks (all layers, K and V)."

@@ -29,8 +29,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def generate(path: Path, **kwargs: object) -> list[list[int]]:
-    pipe = mii_server.pipeline(str(path), device="cuda", dtype="bfloat16", max_ragged_sequence_count=8,
-                               kv_cache={"num_blocks": 64, "block_size": 16}, **kwargs)  # fmt: skip
+    kwargs.setdefault("kv_cache", {"num_blocks": 64, "block_size": 16})
+    pipe = mii_server.pipeline(str(path), device="cuda", dtype="bfloat16", max_ragged_sequence_count=8, **kwargs)
     try:
         return [r.token_ids for r in pipe(PROMPTS, max_new_tokens=32, do_sample=False, ignore_eos=True)]
     finally:
@@ -69,3 +69,11 @@ def test_block_scaled_fp8_checkpoint_runs_on_the_triton_gemm(checkpoint: Path, t
 
     fp8 = write_fine_grained_fp8(checkpoint, tmp_path / "fp8", (128, 128))
     assert common_prefix(generate(checkpoint), generate(fp8)) >= 0.3
+
+
+def test_fp8_kv_cache_matches_reference(checkpoint: Path, monkeypatch) -> None:
+    """Triton's rotary + cache write rounds to fp8 as torch does, and attention widens it back."""
+    triton = generate(checkpoint, kv_cache={"dtype": "fp8", "num_blocks": 64, "block_size": 16})
+    monkeypatch.setenv("MII_SERVER_KERNELS", "reference")
+    reference = generate(checkpoint, kv_cache={"dtype": "fp8", "num_blocks": 64, "block_size": 16})
+    assert common_prefix(reference, triton) >= 0.8
