@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModel
-from ..models.layers import ColumnParallelLinear, RowParallelLinear, narrow, shape_of
+from ..models.layers import ColumnParallelLinear, RowParallelLinear, narrow
 from .quantize import QUANTIZERS
 from .scheme import QuantScheme
 
@@ -38,9 +38,7 @@ def _storage(fmt: str, rows: int, cols: int) -> tuple[tuple[int, int], torch.dty
 
 def _read(source: Any) -> torch.Tensor:
     """A whole checkpoint tensor (safetensors slice or tensor), 0-d ones included."""
-    if isinstance(source, torch.Tensor):
-        return source
-    return source[...] if not shape_of(source) else source[:]
+    return source if isinstance(source, torch.Tensor) else source[...]
 
 
 class _QuantizedLinear(nn.Module):

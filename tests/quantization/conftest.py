@@ -11,6 +11,7 @@ from .prequantized import write_compressed_tensors_fp8, write_fine_grained_fp8
 # name -> (tiny variant it quantizes, writer)
 PREQUANTIZED = {
     "hf-fp8-block": ("llama", lambda src, out: write_fine_grained_fp8(src, out, (16, 16))),
+    "hf-fp8-tensor": ("llama3", lambda src, out: write_fine_grained_fp8(src, out, None)),
     "ct-fp8-channel": ("qwen2", lambda src, out: write_compressed_tensors_fp8(src, out, "FP8_DYNAMIC")),
     "ct-fp8-tensor": ("mistral", lambda src, out: write_compressed_tensors_fp8(src, out, "FP8")),
 }

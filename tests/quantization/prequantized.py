@@ -28,8 +28,9 @@ def _copy_tokenizer(src: Path, out: Path) -> None:
             shutil.copy(src / name, out / name)
 
 
-def write_fine_grained_fp8(src: Path, out: Path, block: tuple[int, int] = (16, 16)) -> Path:
-    """``src``'s decoder linears as HF fine-grained fp8 with ``block``-shaped weight scales."""
+def write_fine_grained_fp8(src: Path, out: Path, block: tuple[int, int] | None = (16, 16)) -> Path:
+    """``src``'s decoder linears as HF fine-grained fp8 with ``block``-shaped weight scales (None: one
+    scale per tensor)."""
     from safetensors.torch import load_file, save_file
     from transformers import FineGrainedFP8Config
     from transformers.integrations.finegrained_fp8 import Fp8Quantize
