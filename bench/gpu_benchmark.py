@@ -131,13 +131,14 @@ def run_hf(path: Path, args: argparse.Namespace) -> dict[str, float]:
 
 
 class Tracker:
-    """Sink for many requests: time of first update, time of last, tokens."""
+    """Sink for many requests: time of first update, time of last, tokens (and their ids)."""
 
     def __init__(self) -> None:
         self.first: dict[int, float] = {}
         self.done: dict[int, float] = {}
         self.tokens: dict[int, int] = {}
         self.times: dict[int, list[float]] = {}
+        self.token_ids: dict[int, list[int]] = {}
 
     def __call__(self, update: Any) -> None:
         now = time.perf_counter()
@@ -146,6 +147,7 @@ class Tracker:
         self.first.setdefault(update.uid, now)
         self.times.setdefault(update.uid, []).append(now)
         self.tokens[update.uid] = self.tokens.get(update.uid, 0) + len(update.response.token_ids)
+        self.token_ids.setdefault(update.uid, []).extend(update.response.token_ids)
         if update.finished:
             self.done[update.uid] = now
 

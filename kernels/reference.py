@@ -1,9 +1,11 @@
 """Pure-PyTorch reference ops: the CPU path and the oracle for every Triton kernel.
 
 The ops the models call (``rms_norm``, ``silu_and_mul``, ``gelu_tanh_and_mul``, ``rotary_kv_append``,
-``kv_append``, ``paged_attention``, ``moe_route``, ``fused_moe``) have twins with the same signatures in ``triton_ops``
-(when Triton is present); ``mii_server.kernels`` dispatches between the two. ``rotary_embedding`` and
-``kv_append`` are the halves of ``rotary_kv_append``, kept apart as the readable definitions. Shapes: T tokens in the flat ragged batch,
+``kv_append``, ``paged_attention``, ``moe_route``, ``fused_moe``, and the quantized linears of
+``reference_quant``: ``int8_linear``, ``fp6_linear``, ``fp8_linear``) have twins with the same signatures
+in ``triton_ops`` (when Triton is present); ``mii_server.kernels`` dispatches between the two.
+``rotary_embedding`` and ``kv_append`` are the halves of ``rotary_kv_append``, kept apart as the readable
+definitions. Shapes: T tokens in the flat ragged batch,
 S sequences, Hq query heads, Hk key/value heads, D head size, B cache blocks of ``block_size`` slots.
 """
 
@@ -13,6 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from .metadata import AttentionMetadata
+from .reference_quant import fp6_linear, fp8_linear, int8_linear, quantize_fp8_per_token
+
+__all__ = [
+    "fp6_linear", "fp8_linear", "int8_linear", "kv_append", "paged_attention", "quantize_fp8_per_token",
+    "rms_norm", "rotary_embedding", "rotary_kv_append", "silu_and_mul",
+]  # fmt: skip
 
 
 def rms_norm(

@@ -54,7 +54,8 @@ def _attend_tile(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_PREC: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
-    """One online-softmax step of q [M, D] against BLOCK_N cached keys from ``tile_start``.
+    """One online-softmax step of q [M, D] against BLOCK_N cached keys from ``tile_start``. Keys and
+    values are read in q's dtype (an fp8 cache is widened; a cache in q's dtype is unchanged).
 
     SLIDING: keys at or before ``q_pos - window`` are masked too (MASKED tiles only). SOFTCAP: the
     scaled logits s become cap * tanh(s / cap), with ``cap_in`` = scale / cap, ``cap_out`` = cap / scale.
@@ -75,7 +76,7 @@ def _attend_tile(
         MASKED,
         HEAD_DIM,
         D_PAD,
-    )  # [N, D]
+    ).to(q.dtype)  # [N, D]
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [M, N], unscaled
     if SOFTCAP:  # kept in unscaled units, so the lines below are shared
         qk = cap_out * _tanh(qk * cap_in)
@@ -101,8 +102,8 @@ def _attend_tile(
         MASKED,
         HEAD_DIM,
         D_PAD,
-    )  # [N, D]
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    ).to(q.dtype)  # [N, D]
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PREC)
     return acc, m_new, l_i
 
 

@@ -3,22 +3,30 @@
 ``mii_server.kernels.get_ops`` returns this module on CUDA when Triton imports. The kernels live in
 ``triton_pointwise`` (RMSNorm, SiLU/GELU-and-mul, rotary embedding fused with the KV append, the plain
 KV append), ``triton_attention`` (ragged paged attention: a split-K decode kernel and a ragged prefill
-kernel behind one dispatch, with sliding windows and logit soft-capping) and ``triton_moe`` (the fused
-mixture-of-experts router and MLP: tokens sorted by expert, one grouped GEMM per projection).
+kernel behind one dispatch, with sliding windows and logit soft-capping), ``triton_moe`` (the fused
+mixture-of-experts router and MLP: tokens sorted by expert, one grouped GEMM per projection),
+``triton_quant`` (int8 and FP6 weight-only GEMMs) and ``triton_fp8`` (fp8 activation quantization and
+GEMMs).
 """
 
 from __future__ import annotations
 
 from .triton_attention import paged_attention
+from .triton_fp8 import fp8_linear, quantize_fp8_per_token
 from .triton_moe import fused_moe, moe_route
 from .triton_pointwise import gelu_tanh_and_mul, kv_append, rms_norm, rotary_kv_append, silu_and_mul
+from .triton_quant import fp6_linear, int8_linear
 
 __all__ = [
+    "fp6_linear",
+    "fp8_linear",
     "fused_moe",
     "gelu_tanh_and_mul",
+    "int8_linear",
     "kv_append",
     "moe_route",
     "paged_attention",
+    "quantize_fp8_per_token",
     "rms_norm",
     "rotary_kv_append",
     "silu_and_mul",

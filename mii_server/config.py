@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from .errors import InvalidRequest, UnknownArgument
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
+QuantizationMode = Literal["fp8", "int8", "wf6af16"]  # MII's quantization_mode values (wf6af16: FP6 weights)
 
 
 def merge_mii_config_dicts(model_name_or_path: str, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -43,6 +44,12 @@ class KVCacheConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     block_size: int = Field(default=64, ge=1, le=1024, description="Token slots per KV block.")
+    dtype: Literal["auto", "fp8"] = Field(
+        default="auto",
+        description="Element type of the cached keys and values: auto is the model dtype; fp8 stores "
+        "float8 e4m3 without scales (values past +-448 saturate), half of bf16's bytes for twice the "
+        "blocks, read back into the model dtype by attention.",
+    )
     num_blocks: int | None = Field(default=None, ge=1, description="Exact number of KV blocks to allocate.")
     memory_bytes: int | None = Field(
         default=None, ge=1, description="Bytes to spend on KV blocks (all layers, K and V)."
@@ -87,6 +94,13 @@ class ModelConfig(BaseModel):
         default="auto", description="Where the engine runs; auto picks CUDA when available."
     )
     tensor_parallel: int = Field(default=1, ge=1, le=64, description="Ranks that share one copy of the model.")
+    quantization_mode: QuantizationMode | None = Field(
+        default=None,
+        description="Quantize the decoder's linear weights as they load (embedding and LM head keep the "
+        "model dtype): fp8 (e4m3 weights per output channel, activations per token; needs fp8 tensor "
+        "cores), int8 (weight-only, per output channel) or wf6af16 (MII's FP6 e3m2 weights, 16-bit "
+        "activations). None loads the checkpoint as it is; fp8 checkpoints need no flag.",
+    )
     max_length: int | None = Field(
         default=None,
         ge=1,

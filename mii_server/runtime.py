@@ -35,6 +35,10 @@ def model_path(config: ModelConfig) -> Path:
     return resolve_model_path(config.model_name_or_path)
 
 
+def kv_cache_dtype(cfg: KVCacheConfig, loaded: LoadedModel) -> torch.dtype:
+    return torch.float8_e4m3fn if cfg.dtype == "fp8" else loaded.dtype
+
+
 def num_kv_blocks(
     cfg: KVCacheConfig, loaded: LoadedModel, kv_heads_per_rank: int, working_bytes: int = 0
 ) -> int:
@@ -42,7 +46,7 @@ def num_kv_blocks(
     ``working_bytes`` (measured activations and CUDA-graph pools)."""
     spec = loaded.spec
     per_block = BlockedKVCache.bytes_per_block(
-        spec.num_layers, cfg.block_size, kv_heads_per_rank, spec.head_dim, loaded.dtype
+        spec.num_layers, cfg.block_size, kv_heads_per_rank, spec.head_dim, kv_cache_dtype(cfg, loaded)
     )
     if cfg.num_blocks is not None:
         return cfg.num_blocks
@@ -70,7 +74,7 @@ def working_memory_bytes(config: ModelConfig, loaded: LoadedModel, kv_heads: int
 
     spec = loaded.spec
     scratch = BlockedKVCache(spec.num_layers, 1, config.kv_cache.block_size, kv_heads, spec.head_dim,
-                             loaded.dtype, loaded.device)  # fmt: skip
+                             kv_cache_dtype(config.kv_cache, loaded), loaded.device)  # fmt: skip
     eager = forward_peak_bytes(
         loaded.model, scratch, config.max_ragged_batch_size, config.max_ragged_sequence_count
     )
@@ -118,15 +122,16 @@ def build_runtime(
     tp = tp or TensorParallelGroup()
     device = device or pick_device(config, tp.rank)
     path = model_path(config)
-    loaded = load_model(path, config.dtype, device, tp)
+    loaded = load_model(path, config.dtype, device, tp, config.quantization_mode)
     kv_heads = loaded.model.layers[0].self_attn.num_kv_heads
     spec = loaded.spec
     graphs = use_cuda_graphs(config, device, tp)
     working = working_memory_bytes(config, loaded, kv_heads, graphs) if device.type == "cuda" else 0
     blocks = tp.agree_min(num_kv_blocks(config.kv_cache, loaded, kv_heads, working))
     kv_cache = BlockedKVCache(
-        spec.num_layers, blocks, config.kv_cache.block_size, kv_heads, spec.head_dim, loaded.dtype, device
-    )
+        spec.num_layers, blocks, config.kv_cache.block_size, kv_heads, spec.head_dim,
+        kv_cache_dtype(config.kv_cache, loaded), device,
+    )  # fmt: skip
     state = StateManager(BlockedAllocator(blocks), config.kv_cache.block_size, config.max_tracked_sequences)
     engine = InferenceEngine(
         loaded.model, kv_cache, state, config.max_ragged_batch_size, config.max_ragged_sequence_count

@@ -88,22 +88,34 @@ def pick_dtype(name: str, device: torch.device, hf_config: Any) -> torch.dtype:
 
 
 def load_model(
-    path: Path, dtype_name: str, device: torch.device, tp: TensorParallelGroup | None = None
+    path: Path,
+    dtype_name: str,
+    device: torch.device,
+    tp: TensorParallelGroup | None = None,
+    quantization_mode: str | None = None,
 ) -> LoadedModel:
-    """Build the model family named by ``config.json`` for ``tp``'s rank and load its shard."""
+    """Build the model family named by ``config.json`` for ``tp``'s rank and load its shard
+    (quantized per ``quantization_mode`` or the checkpoint's own ``quantization_config``)."""
     from transformers import AutoConfig
+
+    from .. import quantization
 
     tp = tp or TensorParallelGroup()
     hf_config = AutoConfig.from_pretrained(str(path))
     model_cls = model_class_for(hf_config.model_type)
     spec = model_cls.spec_from_config(hf_config)
     dtype = pick_dtype(dtype_name, device, hf_config)
+    scheme = quantization.resolve_scheme(hf_config, quantization_mode, device)
     from ..kernels import get_ops
 
     with torch.device(device):
         model = model_cls(spec, tp, dtype, get_ops(device))
     show = tp.rank == 0 and os.environ.get("MII_SERVER_PROGRESS", "1") != "0"
-    model.load_weights(iterate_weights(safetensors_files(path), show))
+    weights = iterate_weights(safetensors_files(path), show)
+    if scheme is not None:
+        quantization.quantize_model(model, scheme, device)
+        weights = quantization.checkpoint_tensors(weights, scheme)
+    model.load_weights(weights)
     model.eval()
     log.info("loaded %s (%s, %d layers) on %s as %s", path, spec.model_type, spec.num_layers, device, dtype)
     return LoadedModel(model=model, spec=spec, path=path, dtype=dtype, device=device)

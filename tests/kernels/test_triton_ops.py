@@ -177,8 +177,12 @@ else:
     ]
 
 
-def _check_attention(dtype, num_q_heads, num_kv_heads, head_dim, block_size, seqs, attention) -> None:
+def _check_attention(
+    dtype, num_q_heads, num_kv_heads, head_dim, block_size, seqs, attention, cache_dtype=None
+) -> None:
     k_cache, v_cache, meta = _ragged_batch(seqs, num_kv_heads, head_dim, block_size, dtype)
+    if cache_dtype is not None:  # e.g. kv_cache dtype fp8: the kernels widen what they read
+        k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     q = _rand(sum(q for q, _ in seqs), num_q_heads, head_dim, dtype=dtype)
     scale = head_dim**-0.5
     out = attention(q, k_cache, v_cache, meta, scale)
@@ -196,6 +200,11 @@ def test_paged_attention_mixed_batch(dtype, case) -> None:
 @pytest.mark.parametrize("case", DECODE_CASES)
 def test_paged_attention_decode(dtype, case) -> None:
     _check_attention(dtype, *case, triton_ops.paged_attention)
+
+
+@pytest.mark.parametrize("case", [MIXED_CASES[0], DECODE_CASES[0]])
+def test_paged_attention_reads_an_fp8_cache(case) -> None:
+    _check_attention(DTYPES[0], *case, triton_ops.paged_attention, cache_dtype=torch.float8_e4m3fn)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 8])

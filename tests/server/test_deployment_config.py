@@ -95,5 +95,7 @@ def test_mii_config_dicts_are_accepted_and_merged() -> None:
         DeploymentConfig.from_kwargs("", model_config={"max_length": 5}, max_length=6)
     with pytest.raises(InvalidRequest, match="disagrees"):
         DeploymentConfig.from_kwargs("/a", model_config={"model_name_or_path": "/b"})
-    with pytest.raises(UnknownArgument, match="quantization_mode"):
-        DeploymentConfig.from_kwargs("", model_config={"quantization_mode": "wf6af16"})
+    quantized = DeploymentConfig.from_kwargs("", model_config={"quantization_mode": "wf6af16"})
+    assert quantized.model.quantization_mode == "wf6af16"
+    with pytest.raises(UnknownArgument, match="load_with_sys_mem"):
+        DeploymentConfig.from_kwargs("", model_config={"load_with_sys_mem": True})

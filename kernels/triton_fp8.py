@@ -1,0 +1,154 @@
+"""fp8 (e4m3) linear on the GPU: per-token activation quantization, then one of two GEMMs.
+
+Twin of ``reference_quant.fp8_linear``. ``quantize_fp8_per_token`` is one Triton launch (a program per
+token: absmax pass, then the scaled cast). The product runs either
+
+- ``scaled_mm``: ``torch._scaled_mm`` (cuBLASLt's fp8 GEMM) with row-wise scales, for weights with
+  one scale per output channel; or
+- ``triton``: ``_fp8_gemm_kernel``, fp8 x fp8 -> fp32 on the tensor cores, scales applied in the
+  epilogue; it also takes group-wise weight scales (HF fine-grained fp8: a scale per 128 x 128
+  block, expanded to one per row and 128 columns), applied to each K step's partial product.
+
+``gemm="auto"`` uses ``scaled_mm`` where it applies and the Triton kernel elsewhere. Both need
+compute capability 8.9 or newer (fp8 tensor cores).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference_quant import FP8_MAX, FP8_SCALE_FLOOR
+from .triton_quant import gemm_tile, store_gemm_tile
+
+FP8_GEMMS = ("auto", "triton", "scaled_mm")
+
+
+@triton.jit
+def _quantize_per_token_kernel(
+    x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q,
+    FLOOR: tl.constexpr, MAX: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, 0), FLOOR) / MAX
+    tl.store(scale_ptr + row, scale)
+    for k0 in range(0, K, BLOCK):
+        ok = k0 + cols < K
+        x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=ok, other=0.0).to(tl.float32)
+        # why div_rn: the reference divides in IEEE fp32; an approximate division would move values
+        # across fp8 rounding boundaries
+        q = tl.clamp(tl.math.div_rn(x, scale), -MAX, MAX)
+        tl.store(q_ptr + row * stride_q + k0 + cols, q.to(tl.float8e4nv), mask=ok)
+
+
+def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """See ``reference_quant.quantize_fp8_per_token``."""
+    assert x.stride(-1) == 1, "the last dimension must be contiguous"
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m:
+        block = min(triton.next_power_of_2(k), 4096)
+        _quantize_per_token_kernel[(m,)](
+            x, q, scale, k, x.stride(0), q.stride(0), FLOOR=FP8_SCALE_FLOOR, MAX=FP8_MAX, BLOCK=block,
+            num_warps=min(8, max(1, block // 512)),
+        )  # fmt: skip
+    return q, scale
+
+
+# why do_not_specialize: M changes with every batch (see triton_quant)
+@triton.jit(do_not_specialize=["M"])
+def _fp8_gemm_kernel(
+    q_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
+    M, N, K, stride_qm, stride_wn, stride_ws, stride_om,
+    GROUP_K: tl.constexpr, PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    rm, rn, m_ok, n_ok = gemm_tile(M, N, BLOCK_M, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + rk
+        k_ok = k < K
+        a = tl.load(q_ptr + rm[:, None] * stride_qm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + k[:, None],
+                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # fmt: skip
+        if PER_GROUP:  # BLOCK_K divides GROUP_K: one weight scale per output column in this step
+            w_scale = tl.load(w_scale_ptr + rn * stride_ws + k0 // GROUP_K, mask=n_ok, other=0.0)
+            acc += tl.dot(a, b) * w_scale[None, :]
+        else:
+            acc = tl.dot(a, b, acc)
+    if not PER_GROUP:
+        acc = acc * tl.load(w_scale_ptr + rn * stride_ws, mask=n_ok, other=0.0)[None, :]
+    acc = acc * tl.load(x_scale_ptr + rm, mask=m_ok, other=0.0)[:, None]
+    store_gemm_tile(acc, out_ptr, bias_ptr, rm, rn, m_ok, n_ok, stride_om, HAS_BIAS)
+
+
+def _tiles(m: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): narrow N tiles for few rows (weight-bound: many
+    programs reading), square tiles for many (compute-bound)."""
+    if m <= 16:
+        return 16, 32, 256, 4, 4
+    if m <= 64:
+        return 64, 64, 128, 4, 4
+    return 128, 128, 128, 8, 3
+
+
+def fp8_gemm_triton(
+    q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """(q [M, K] fp8, x_scale [M]) @ (weight [N, K] fp8, scale [N, G])^T + bias -> [M, N]."""
+    m, k = q.shape
+    n, groups = scale.shape
+    out = torch.empty((m, n), dtype=out_dtype, device=q.device)
+    if m == 0:
+        return out
+    bm, bn, bk, warps, stages = _tiles(m)
+    group_k = -(-k // groups)
+    if groups > 1:
+        bk = min(bk, group_k)
+        assert group_k % bk == 0, "fp8 weight scale groups must be a multiple of 16 columns"
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
+    _fp8_gemm_kernel[grid](
+        q, x_scale, weight, scale, bias if bias is not None else scale, out,
+        m, n, k, q.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
+        GROUP_K=group_k, PER_GROUP=groups > 1, HAS_BIAS=bias is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+def fp8_gemm_scaled_mm(
+    q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """The same product through ``torch._scaled_mm`` with row-wise scales (scale: [N, 1])."""
+    # why bfloat16 out: cuBLASLt's row-wise scaled fp8 GEMM writes bf16 only
+    y = torch._scaled_mm(
+        q, weight.t(), scale_a=x_scale[:, None], scale_b=scale.view(1, -1), out_dtype=torch.bfloat16
+    )
+    if bias is not None:
+        y = y + bias
+    return y if out_dtype == torch.bfloat16 else y.to(out_dtype)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    gemm: str = "auto",
+) -> torch.Tensor:
+    """See ``reference_quant.fp8_linear``; ``gemm``: auto, triton or scaled_mm (scaled_mm needs one
+    weight scale per output channel and falls back to the Triton kernel for group-wise scales)."""
+    q, x_scale = quantize_fp8_per_token(x)
+    if gemm != "triton" and scale.shape[1] == 1:
+        return fp8_gemm_scaled_mm(q, x_scale, weight, scale, bias, x.dtype)
+    return fp8_gemm_triton(q, x_scale, weight, scale, bias, x.dtype)

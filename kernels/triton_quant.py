@@ -1,0 +1,147 @@
+"""Triton weight-only GEMMs: int8 and FP6 e3m2 weights dequantized inside the GEMM, 16-bit activations.
+
+Twins of ``reference_quant.int8_linear`` / ``fp6_linear``. A program owns a [BLOCK_M, BLOCK_N] tile
+of the output; each K step loads the quantized weight tile, turns it into the activation dtype in
+registers (int8: a convert; FP6: shifts and a bitcast, see ``fp6_format``), and multiplies on the
+tensor cores with float32 accumulation. The per-output-channel scale is applied once, at the end.
+
+Decode steps (a few rows) are bound by reading the weight, which is where 1 or 0.75 bytes a weight
+pays. Large prefill steps are bound by compute: there the weight is dequantized to the activation
+dtype once and the product runs in cuBLAS (``DEQUANT_MIN_ROWS``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp6_format import FP6_FP16_FACTOR
+from .reference_quant import dequantize_weight
+from .triton_attention import _dot_precision
+
+# Rows from which a dequantized weight and cuBLAS beat the fused kernel: the dequantization (one read
+# of the quantized weight, one write and one read of the 16-bit copy) costs a few percent of a product
+# this large, while Triton's mixed-dtype product runs below cuBLAS. To be measured on the GPU
+# (bench/quantization_bench.py --gemm).
+DEQUANT_MIN_ROWS = 1024
+
+
+@triton.jit
+def _fp6_to_fp16(code):
+    """int32 FP6 codes -> fp16 holding each code's value times 2**-12 (exact)."""
+    bits = ((code & 0x1F) << 8) | ((code & 0x20) << 10)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def gemm_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The output tile of this program of a (N tiles, M tiles) grid: rows, columns and their masks."""
+    rm = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rm, rn, rm < M, rn < N
+
+
+@triton.jit
+def store_gemm_tile(acc, out_ptr, bias_ptr, rm, rn, m_ok, n_ok, stride_om, HAS_BIAS: tl.constexpr):
+    """out[rm, rn] = acc (+ bias[rn]), rounded once to the output dtype."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rm[:, None] * stride_om + rn[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+# why do_not_specialize: M changes with every batch; a Triton variant per value class of M would
+# compile in the middle of serving
+@triton.jit(do_not_specialize=["M"])
+def _weight_only_gemm_kernel(
+    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om, scale_factor,
+    FP6: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    rm, rn, m_ok, n_ok = gemm_tile(M, N, BLOCK_M, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    x_rows = x_ptr + rm[:, None] * stride_xm  # [BM, 1]
+    w_cols = w_ptr + rn[None, :].to(tl.int64) * stride_wn  # [1, BN]
+    if FP6:
+        # a K4-range of the three byte planes holds four column ranges of codes (fp6_format)
+        k4 = K // 4
+        for i0 in range(0, k4, BLOCK_K):
+            k = i0 + rk
+            k_ok = k < k4
+            w_mask = k_ok[:, None] & n_ok[None, :]
+            x_mask = m_ok[:, None] & k_ok[None, :]
+            wp = w_cols + k[:, None]  # [BK, BN]
+            b0 = tl.load(wp, mask=w_mask, other=0).to(tl.int32)
+            b1 = tl.load(wp + k4, mask=w_mask, other=0).to(tl.int32)
+            b2 = tl.load(wp + 2 * k4, mask=w_mask, other=0).to(tl.int32)
+            xp = x_rows + k[None, :]  # [BM, BK]
+            x0 = tl.load(xp, mask=x_mask, other=0.0)
+            dt = x0.dtype
+            acc += tl.dot(x0, _fp6_to_fp16(b0 >> 2).to(dt), input_precision=DOT_PREC)
+            x1 = tl.load(xp + k4, mask=x_mask, other=0.0)
+            acc += tl.dot(x1, _fp6_to_fp16(b1 >> 2).to(dt), input_precision=DOT_PREC)
+            x2 = tl.load(xp + 2 * k4, mask=x_mask, other=0.0)
+            acc += tl.dot(x2, _fp6_to_fp16(b2 >> 2).to(dt), input_precision=DOT_PREC)
+            x3 = tl.load(xp + 3 * k4, mask=x_mask, other=0.0)
+            d = ((b0 & 3) << 4) | ((b1 & 3) << 2) | (b2 & 3)
+            acc += tl.dot(x3, _fp6_to_fp16(d).to(dt), input_precision=DOT_PREC)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + rk
+            k_ok = k < K
+            w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0)  # int8 [BK, BN]
+            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
+            acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PREC)
+    scale = tl.load(scale_ptr + rn, mask=n_ok, other=0.0) * scale_factor  # [BN]
+    store_gemm_tile(acc * scale[None, :], out_ptr, bias_ptr, rm, rn, m_ok, n_ok, stride_om, HAS_BIAS)
+
+
+def _tiles(m: int, fp6: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for an M-row product. Few rows: narrow N tiles so
+    that a weight-bound product has enough programs to keep every SM reading; FP6's BLOCK_K counts
+    bytes of one plane (four times as many columns)."""
+    if m <= 16:
+        return 16, 32, 64 if fp6 else 256, 4, 4
+    if m <= 64:
+        return 64, 64, 32 if fp6 else 128, 4, 4
+    return 128, 128, 32 if fp6 else 64, 8, 3
+
+
+def _weight_only_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, fp6: bool
+) -> torch.Tensor:
+    m, k = x.shape
+    n = weight.shape[0]
+    assert scale.shape == (n, 1), "weight-only kernels take one scale per output channel"
+    if m >= DEQUANT_MIN_ROWS:
+        return torch.nn.functional.linear(x, dequantize_weight(weight, scale, x.dtype), bias)
+    assert x.stride(-1) == 1 and weight.stride(-1) == 1, "the last dimension must be contiguous"
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    bm, bn, bk, warps, stages = _tiles(m, fp6)
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
+    _weight_only_gemm_kernel[grid](
+        x, weight, scale, bias if bias is not None else scale, out,
+        m, n, k, x.stride(0), weight.stride(0), out.stride(0), FP6_FP16_FACTOR if fp6 else 1.0,
+        FP6=fp6, HAS_BIAS=bias is not None, DOT_PREC=_dot_precision(x.dtype),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+def int8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """See ``reference_quant.int8_linear``."""
+    return _weight_only_linear(x, weight, scale, bias, fp6=False)
+
+
+def fp6_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """See ``reference_quant.fp6_linear``."""
+    return _weight_only_linear(x, weight, scale, bias, fp6=True)
