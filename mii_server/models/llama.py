@@ -124,6 +124,15 @@ _PACKED = {
 _PACKED_NAME = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
 
 
+def packed_parameter(hf_name: str) -> tuple[str, int]:
+    """(our parameter name, shard of its packed matrix) for a Hugging Face parameter name."""
+    match = _PACKED_NAME.search(hf_name)
+    if not match:
+        return hf_name, 0
+    ours, shard_id = _PACKED[match.group(1)]
+    return hf_name.replace(f".{match.group(1)}.", f".{ours}."), shard_id
+
+
 class LlamaForCausalLM(nn.Module):
     """Decoder-only Llama: ``forward(input_ids, meta, kv_cache) -> float32 logits [S, vocab]``."""
 
@@ -160,11 +169,7 @@ class LlamaForCausalLM(nn.Module):
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
-            shard_id = 0
-            match = _PACKED_NAME.search(name)
-            if match:
-                ours, shard_id = _PACKED[match.group(1)]
-                name = name.replace(f".{match.group(1)}.", f".{ours}.")
+            name, shard_id = packed_parameter(name)
             targets = [name]
             if name == "embed_tokens.weight" and self.spec.tie_word_embeddings:
                 targets.append("lm_head.weight")
