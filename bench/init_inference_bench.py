@@ -63,7 +63,7 @@ def build_model(shape: dict[str, Any]) -> Any:
         model = AutoModelForCausalLM.from_config(
             config, dtype=torch.bfloat16 if DEVICE == "cuda" else torch.float32
         )
-    return model.eval()
+    return model.to(DEVICE).eval()
 
 
 def timed_generate(model: Any, ids: torch.Tensor, new: int) -> tuple[float, torch.Tensor]:

@@ -74,6 +74,11 @@ class DecodeGraphs:
         self._graphs: dict[int, _Graph] = {}
         self._pool: KVPool | None = None
 
+    @property
+    def batch_sizes(self) -> list[int]:
+        """The batch sizes captured so far, ascending."""
+        return sorted(self._graphs)
+
     def reset(self) -> None:
         """Forget every graph (the pool they read was replaced)."""
         self._graphs.clear()
