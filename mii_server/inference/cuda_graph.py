@@ -113,7 +113,8 @@ class DecodeGraphs:
             self.step(pool, ids, positions, mask)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool), torch.no_grad():
+        # why thread_local: under TP the NCCL watchdog thread queries events while this thread captures
+        with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"), torch.no_grad():
             out = self.step(pool, ids, positions, mask)
         log.info("captured the injected decode step for batch %d as a CUDA graph", batch)
         return _Graph(graph=graph, ids=ids, positions=positions, mask=mask, out=out)

@@ -53,7 +53,8 @@ def test_injected_generate_and_logits_match_transformers(
 
 
 def test_generate_arguments_and_cache_use(tiny_checkpoints: dict[str, Path]) -> None:
-    """Sampling, beam search, several return sequences; a returned cache continues; no cache."""
+    """Sampling, beam search, several return sequences, embeddings as input, no cache; a returned
+    cache continues; a superseded one is refused."""
     path = tiny_checkpoints["llama"]
     plain = load(path)
     engine = mii_server.init_inference(load(path), replace_with_kernel_inject=True)
@@ -68,6 +69,11 @@ def test_generate_arguments_and_cache_use(tiny_checkpoints: dict[str, Path]) -> 
         assert torch.equal(engine.generate(**batch, max_new_tokens=10, pad_token_id=3, **kwargs), want)
 
     ids, mask = batch["input_ids"], batch["attention_mask"]
+    embeds = plain.get_input_embeddings()(ids).detach()
+    for kwargs in ({"inputs_embeds": embeds, "attention_mask": mask}, {**batch, "use_cache": False}):
+        want = plain.generate(**kwargs, max_new_tokens=8, do_sample=False, pad_token_id=3)
+        assert torch.equal(engine.generate(**kwargs, max_new_tokens=8, do_sample=False, pad_token_id=3), want)
+
     with torch.no_grad():
         want = plain(ids, attention_mask=mask).logits
     first = engine(ids[:, :4], attention_mask=mask[:, :4], use_cache=True)
