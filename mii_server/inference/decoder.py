@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from ..engine.kv_cache import BlockedKVCache
 from ..errors import InvalidRequest
 from ..models.spec import ArchitectureSpec
 from .batch import decode_metadata, prefill_metadata
@@ -67,10 +68,11 @@ class InjectedDecoder(nn.Module):
     # ---- pools and caches ------------------------------------------------------------------------
     def _new_pool(self, rows: int, capacity: int) -> KVPool:
         attn = self.layers[0].self_attn
-        return KVPool(
-            self.spec.num_layers, rows, capacity, BLOCK_SIZE, attn.num_kv_heads, attn.head_dim,
-            self.norm.weight.dtype, self.cos_sin.device,
-        )  # fmt: skip
+        blocks = KVPool.blocks_needed(rows, capacity, BLOCK_SIZE)
+        with torch.inference_mode(False):  # see KVPool
+            storage = BlockedKVCache(self.spec.num_layers, blocks, BLOCK_SIZE, attn.num_kv_heads, attn.head_dim,
+                                     self.norm.weight.dtype, self.cos_sin.device)  # fmt: skip
+            return KVPool(storage, rows, capacity)
 
     def shared_pool(self, rows: int) -> KVPool:
         """The pool generations share, reallocated when a batch has more rows than it (or it moved)."""

@@ -21,32 +21,29 @@ from ..errors import CapacityExceeded, InvalidRequest
 
 
 class KVPool:
-    """Keys, values and per-row token counts for ``rows`` batch rows of ``capacity`` tokens each."""
+    """Keys, values and per-row token counts for ``rows`` batch rows of ``capacity`` tokens each.
 
-    def __init__(
-        self,
-        num_layers: int,
-        rows: int,
-        capacity: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
+    ``storage`` holds ``blocks_needed(rows, capacity, block_size)`` blocks. Build the pool outside
+    ``torch.inference_mode`` (``generate`` may run under it or not, and a tensor made in inference
+    mode can never again be updated in place outside it).
+    """
+
+    def __init__(self, storage: BlockedKVCache, rows: int, capacity: int) -> None:
+        device = storage.keys[0].device
+        self.storage = storage
         self.rows = rows
-        self.blocks_per_row = -(-capacity // block_size)
+        self.blocks_per_row = storage.num_blocks // rows
         self.capacity = capacity  # tokens one row may hold
-        self.row_slots = self.blocks_per_row * block_size  # slots between one row's start and the next
-        # why not under inference mode: generate may run under torch.inference_mode or not, and a tensor
-        # made in inference mode can never again be updated in place outside it
-        with torch.inference_mode(False):
-            self.storage = BlockedKVCache(num_layers, rows * self.blocks_per_row, block_size, num_kv_heads,
-                                          head_dim, dtype, device)  # fmt: skip
-            blocks = torch.arange(rows * self.blocks_per_row, dtype=torch.int32, device=device)
-            self.block_table = blocks.view(rows, self.blocks_per_row)  # int32 [rows, blocks_per_row]
-            self.lengths = torch.zeros(rows, dtype=torch.int32, device=device)  # real tokens held per row
+        self.row_slots = self.blocks_per_row * storage.block_size  # slots from one row's start to the next
+        assert self.row_slots >= capacity
+        blocks = torch.arange(rows * self.blocks_per_row, dtype=torch.int32, device=device)
+        self.block_table = blocks.view(rows, self.blocks_per_row)  # int32 [rows, blocks_per_row]
+        self.lengths = torch.zeros(rows, dtype=torch.int32, device=device)  # real tokens held per row
         self.owner: InjectedCache | None = None
+
+    @staticmethod
+    def blocks_needed(rows: int, capacity: int, block_size: int) -> int:
+        return rows * -(-capacity // block_size)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.storage.layer(index)

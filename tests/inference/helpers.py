@@ -63,3 +63,13 @@ def generate_kwargs() -> dict[str, Any]:
         "do_sample": False,
         "pad_token_id": PAD,
     }
+
+
+def token_agreement(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Share of generated tokens inside the rows' common prefixes (a greedy path that parts once,
+    on a near-tie of the logits, never rejoins, so only the prefix is comparable)."""
+    same = total = 0
+    for g, w in zip(got.tolist(), want.tolist()):
+        same += next((i for i, (x, y) in enumerate(zip(g, w)) if x != y), len(w))
+        total += len(w)
+    return same / total
