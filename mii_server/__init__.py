@@ -25,7 +25,21 @@ def pipeline(model_name_or_path: str = "", all_rank_output: bool = False, **mode
     return _pipeline(model_name_or_path, all_rank_output=all_rank_output, **model_kwargs)
 
 
-# ---- deployments (mii_server.serving.control.api; imports no torch) -----------------------------------
+if TYPE_CHECKING:
+    from .inference import InferenceEngine
+
+__all__ += ["init_inference"]
+
+
+def init_inference(model: Any, config: Any = None, **kwargs: Any) -> InferenceEngine:
+    """Wrap a transformers model in our kernels, tensor parallelism and CUDA graphs, as DeepSpeed's
+    ``init_inference`` does; see ``mii_server.inference.engine.init_inference``."""
+    from .inference import init_inference as _init_inference
+
+    return _init_inference(model, config, **kwargs)
+
+
+# ---- deployments (mii_server.serving.control.api; imports no torch) ----------------------------
 if TYPE_CHECKING:
     from .serving.frontends.client import Client
 
