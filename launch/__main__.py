@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from mii_server.launch import roles, spec
+from mii_server.launch.process import raise_open_file_limit
 from mii_server.serving.log_format import setup_logging
 
 
@@ -21,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="url-safe base64 JSON LaunchSpec")
     args = parser.parse_args(argv)
     setup_logging(args.role)
+    raise_open_file_limit()
     return roles.RUNNERS[args.role](spec.decode(args.config))
 
 

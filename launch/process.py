@@ -17,6 +17,16 @@ from .spec import LaunchSpec, Role, command
 PARENT_PID_ENV = "MII_SERVER_PARENT_PID"
 
 
+def raise_open_file_limit() -> None:
+    """Lift this process's soft limit on open files to the hard limit: a server holding thousands of
+    connections would otherwise hit the common default of 1024."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 try:  # loaded here, not in the child: dlopen between fork and exec can deadlock
     _LIBC: ctypes.CDLL | None = ctypes.CDLL("libc.so.6", use_errno=True)
 except OSError:  # not Linux: the supervisor's teardown is then the only guard
