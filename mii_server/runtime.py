@@ -13,7 +13,7 @@ from .batching.executor import LocalExecutor, StepExecutor
 from .batching.loop import GenerationLoop
 from .config import KVCacheConfig, ModelConfig
 from .demo_model import demo_model_path
-from .engine import BlockedAllocator, BlockedKVCache, InferenceEngine, StateManager
+from .engine import BlockedAllocator, BlockedKVCache, InferenceEngine, PrefixCache, StateManager
 from .errors import InvalidRequest
 from .models import LoadedModel, load_model, resolve_model_path
 from .models.parallel import TensorParallelGroup
@@ -127,7 +127,8 @@ def build_runtime(
     kv_cache = BlockedKVCache(
         spec.num_layers, blocks, config.kv_cache.block_size, kv_heads, spec.head_dim, loaded.dtype, device
     )
-    state = StateManager(BlockedAllocator(blocks), config.kv_cache.block_size, config.max_tracked_sequences)
+    allocator = PrefixCache(blocks) if config.enable_prefix_caching else BlockedAllocator(blocks)
+    state = StateManager(allocator, config.kv_cache.block_size, config.max_tracked_sequences)
     engine = InferenceEngine(
         loaded.model, kv_cache, state, config.max_ragged_batch_size, config.max_ragged_sequence_count
     )
@@ -173,4 +174,5 @@ def build_loop(config: ModelConfig, runtime: Runtime, executor: StepExecutor | N
         max_tracked_sequences=config.max_tracked_sequences,
         seed=config.seed,
         overlap=config.overlap_scheduling,
+        vocab_size=runtime.loaded.spec.vocab_size,
     )

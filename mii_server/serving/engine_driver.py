@@ -36,6 +36,7 @@ class EngineStats:
     prompt_tokens: int  # prompt tokens of all requests accepted since start
     generated_tokens: int  # tokens sampled since start
     preemptions: int  # requests preempted (and recomputed) since start
+    cached_prompt_tokens: int  # prompt tokens taken from the prefix cache since start
 
 
 class EngineDriver:

@@ -3,7 +3,7 @@ cache holds the prompt, and preemption that frees blocks and loses nothing."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +15,7 @@ from mii_server.batching.request import Request, RequestStatus, RequestUpdate
 from mii_server.batching.scheduler import Scheduler
 from mii_server.batching.step import Step
 from mii_server.engine import InferenceEngine
+from mii_server.engine.prefix_cache import BlockBudget
 from mii_server.generation.detokenizer import IncrementalDetokenizer
 from mii_server.generation.params import GenerateParams
 from mii_server.in_process import Pipeline
@@ -50,7 +51,7 @@ class RecordingExecutor:
         for uid in step.flush_uids:
             self.engine.flush(uid)
         prompt_entries = [self.engine.seen_tokens(uid) < self.prompt_lengths[uid] for uid in step.uids]
-        logits = run_step(self.engine, Step(uids=step.uids, tokens=step.tokens))
+        logits = run_step(self.engine, replace(step, flush_uids=[]))
         held = {uid: self.engine.blocks_held(uid) for uid in step.flush_uids}
         self.records.append(StepRecord(step, prompt_entries, held))
         return logits
@@ -152,6 +153,10 @@ class FakeBlocks:
 
     def blocks_held(self, uid: int) -> int:
         return self.held.get(uid, 0)
+
+    def block_budget(self) -> BlockBudget:  # no sharing: every held block has one reference
+        blocks_of = lambda uid: [uid * 1000 + i for i in range(self.blocks_held(uid))]
+        return BlockBudget(self.free_blocks, refcount=lambda block: 1, blocks_of=blocks_of, match=lambda h: [])
 
 
 def make_request(uid: int, prompt_len: int) -> Request:

@@ -12,8 +12,9 @@ from mii_server.errors import InvalidRequest
 faulthandler.dump_traceback_later(float(os.environ.get("TP_SCRIPT_HANG_S", "120")), exit=True)
 path, out, prompts_json, all_ranks = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "all"
 prompts = json.loads(prompts_json)
+config = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}  # more pipeline kwargs
 rank = int(os.environ["RANK"])
-pipe = mii_server.pipeline(path, tensor_parallel=int(os.environ["WORLD_SIZE"]), all_rank_output=all_ranks)
+pipe = mii_server.pipeline(path, tensor_parallel=int(os.environ["WORLD_SIZE"]), all_rank_output=all_ranks, **config)
 first = pipe(prompts, max_new_tokens=16, do_sample=False, ignore_eos=True)
 try:  # a prompt rank 0 refuses must not leave the other ranks waiting for a step
     refused = pipe(["word " * 5000], max_new_tokens=4)
@@ -21,7 +22,8 @@ try:  # a prompt rank 0 refuses must not leave the other ranks waiting for a ste
 except InvalidRequest:
     assert rank == 0
 second = pipe(prompts[:1], max_new_tokens=4, do_sample=False, ignore_eos=True)  # and the next call works
-result = {"first": [r.token_ids for r in first], "second": [r.token_ids for r in second]}
+result = {"first": [r.token_ids for r in first], "second": [r.token_ids for r in second],
+          "cached": [r.cached_tokens for r in first + second]}  # fmt: skip
 if rank == 0 or all_ranks:
     with open(f"{out}.{rank}", "w") as f:
         json.dump(result, f)
