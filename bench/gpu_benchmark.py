@@ -138,6 +138,7 @@ class Tracker:
         self.done: dict[int, float] = {}
         self.tokens: dict[int, int] = {}
         self.times: dict[int, list[float]] = {}
+        self.ids: dict[int, list[int]] = {}
 
     def __call__(self, update: Any) -> None:
         now = time.perf_counter()
@@ -146,6 +147,7 @@ class Tracker:
         self.first.setdefault(update.uid, now)
         self.times.setdefault(update.uid, []).append(now)
         self.tokens[update.uid] = self.tokens.get(update.uid, 0) + len(update.response.token_ids)
+        self.ids.setdefault(update.uid, []).extend(update.response.token_ids)
         if update.finished:
             self.done[update.uid] = now
 

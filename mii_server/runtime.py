@@ -12,7 +12,7 @@ import torch
 from .batching.executor import LocalExecutor, StepExecutor
 from .batching.loop import GenerationLoop
 from .config import KVCacheConfig, ModelConfig
-from .demo_model import demo_model_path
+from .demo_model import demo_model_path, packaged_demo_path
 from .engine import BlockedAllocator, BlockedKVCache, InferenceEngine, PrefixCache, StateManager
 from .errors import InvalidRequest
 from .models import LoadedModel, load_model, resolve_model_path
@@ -30,8 +30,10 @@ def pick_device(config: ModelConfig, local_rank: int = 0) -> torch.device:
 
 
 def model_path(config: ModelConfig) -> Path:
+    """The checkpoint to load; no model named: the trained demo model when the package ships it,
+    else the random-weight one (built on first use)."""
     if not config.model_name_or_path:
-        return demo_model_path()
+        return packaged_demo_path() or demo_model_path()
     return resolve_model_path(config.model_name_or_path)
 
 
