@@ -3,7 +3,8 @@
 On a GPU the loop is synchronous: whatever the host spends per step (scheduling, packing, sampling,
 detokenising, stop checks) adds to the GPU's step time. This measures that host time at a given
 number of running requests, for streamed requests (text decoded token by token) against whole ones
-(text decoded once at the end) in the same run.
+(text decoded once at the end) in the same run, and whole ones again with the prefix cache's block
+accounting (hashing and registering every filled block).
 
     python bench/host_loop_bench.py --requests 256 --steps 64
 """
@@ -20,7 +21,7 @@ import torch
 from mii_server.batching.executor import LocalExecutor
 from mii_server.batching.loop import GenerationLoop
 from mii_server.demo_model import train_tokenizer
-from mii_server.engine import BlockedAllocator, BlockedKVCache, InferenceEngine, StateManager
+from mii_server.engine import BlockedAllocator, BlockedKVCache, InferenceEngine, PrefixCache, StateManager
 from mii_server.generation.params import GenerateParams
 
 
@@ -36,13 +37,16 @@ class RandomLogits(torch.nn.Module):
         return torch.randn(meta.num_seqs, self.vocab)
 
 
-def make_loop(tokenizer, requests: int, prompt_len: int, gen_len: int) -> GenerationLoop:
+def make_loop(
+    tokenizer, requests: int, prompt_len: int, gen_len: int, prefix_caching: bool = False
+) -> GenerationLoop:
     block_size = 64
     blocks = requests * (-(-(prompt_len + gen_len) // block_size))
+    allocator = PrefixCache(blocks) if prefix_caching else BlockedAllocator(blocks)
     engine = InferenceEngine(
         RandomLogits(len(tokenizer)),
         BlockedKVCache(1, 1, block_size, 1, 1, torch.float32, torch.device("cpu")),  # never written
-        StateManager(BlockedAllocator(blocks), block_size, requests),
+        StateManager(allocator, block_size, requests),
         max_ragged_batch_size=max(4096, requests),
         max_ragged_sequence_count=requests,
     )
@@ -52,11 +56,13 @@ def make_loop(tokenizer, requests: int, prompt_len: int, gen_len: int) -> Genera
     )  # fmt: skip
 
 
-def decode_step_ms(tokenizer, args: argparse.Namespace, stream: bool) -> float:
-    loop = make_loop(tokenizer, args.requests, args.prompt_len, args.steps + 8)
+def decode_step_ms(
+    tokenizer, args: argparse.Namespace, stream: bool, prefix_caching: bool = False
+) -> float:
+    loop = make_loop(tokenizer, args.requests, args.prompt_len, args.steps + 8, prefix_caching)
     params = GenerateParams(max_new_tokens=args.steps + 8, do_sample=False, ignore_eos=True)
-    prompt = list(range(4, 4 + args.prompt_len))
-    for _ in range(args.requests):
+    for i in range(args.requests):  # distinct prompts: no request reuses another's blocks
+        prompt = [4 + (i * 7 + j) % 300 for j in range(args.prompt_len)]
         loop.submit(prompt, params, lambda update: None, stream)
     while any(r.num_pending_tokens > 1 for r in loop.scheduler.running) or loop.scheduler.waiting:
         loop.step()  # prefill until every request decodes
@@ -79,6 +85,8 @@ def main() -> None:
     print(f"host time per decode step, {args.requests} running requests (model stubbed, 1 thread):")
     print(f"  streamed (decode each token): {streamed:7.2f} ms")
     print(f"  whole (decode once at end):   {whole:7.2f} ms   ratio streamed/whole {streamed / whole:.2f}x")
+    cached = decode_step_ms(tokenizer, args, stream=False, prefix_caching=True)
+    print(f"  whole, prefix caching on:     {cached:7.2f} ms   ratio on/off {cached / whole:.2f}x")
 
 
 if __name__ == "__main__":

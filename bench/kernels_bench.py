@@ -138,6 +138,7 @@ def bench_prefill(sweep: bool, block_size: int) -> list[dict]:
         _report("prefill_torch_sdpa", sdpa_ms, TFLOPs=flops / sdpa_ms / 1e-3 / 1e12)
     except Exception as exc:  # noqa: BLE001 - the yardstick is optional
         print(json.dumps({"bench": "prefill_torch_sdpa", "error": str(exc)[:120]}))
+    rows += bench_prefill_library(q, k_cache, v_cache, meta, scale, flops)
     if sweep:
         for block_m, block_n, warps, stages in (
             (128, 32, 4, 4), (128, 32, 4, 3), (128, 64, 4, 4), (128, 32, 8, 4),
@@ -161,6 +162,49 @@ def bench_prefill(sweep: bool, block_size: int) -> list[dict]:
                 frac_bf16=flops / ms / 1e-3 / BF16_FLOPS,
             ))  # fmt: skip
     return rows
+
+
+def context_slots(meta: AttentionMetadata, block_size: int) -> torch.Tensor:
+    """int64 [sum of contexts]: the cache slot of every context position of every sequence, in order."""
+    rows = []
+    for s, ctx in enumerate(meta.context_lens.tolist()):
+        pos = torch.arange(ctx, device=meta.block_table.device)
+        rows.append(meta.block_table[s, pos // block_size].long() * block_size + pos % block_size)
+    return torch.cat(rows)
+
+
+def bench_prefill_library(q, k_cache, v_cache, meta, scale, flops) -> list[dict]:
+    """The library alternative for long prefill chunks (issue 16): FlashAttention-2 varlen through
+    ``aten._flash_attention_forward`` (GQA, bottom-right causal) on K/V gathered from the paged cache
+    into contiguous [T, Hk, D]. Times the attention alone and with the gather it would need."""
+    block_size, hk, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    slots = context_slots(meta, block_size)
+    cu_k = torch.zeros_like(meta.cu_q_lens)
+    cu_k[1:] = meta.context_lens.cumsum(0)
+
+    def gather() -> tuple[torch.Tensor, torch.Tensor]:
+        return k_cache.view(-1, hk, d).index_select(0, slots), v_cache.view(-1, hk, d).index_select(0, slots)
+
+    k, v = gather()
+
+    def attend(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._flash_attention_forward(
+            q, k, v, meta.cu_q_lens, cu_k, meta.max_q_len, meta.max_context_len, 0.0, True, False, scale=scale
+        )[0]
+
+    try:
+        expected = reference.paged_attention(q, k_cache, v_cache, meta, scale)
+        torch.testing.assert_close(attend(k, v), expected, atol=2e-2, rtol=2e-2)
+        ms = do_bench(lambda: attend(k, v), rep=200)
+        with_gather = do_bench(lambda: attend(*gather()), rep=200)
+    except Exception as exc:  # noqa: BLE001 - the op's signature differs across torch versions
+        print(json.dumps({"bench": "prefill_fa2_varlen", "error": str(exc)[:200]}))
+        return []
+    rate = lambda ms: flops / ms / 1e-3
+    return [
+        _report("prefill_fa2_varlen", ms, TFLOPs=rate(ms) / 1e12, frac_bf16=rate(ms) / BF16_FLOPS),
+        _report("prefill_fa2_varlen_with_gather", with_gather, frac_bf16=rate(with_gather) / BF16_FLOPS),
+    ]
 
 
 # Llama-3-8B's linear layers, (N, K): qkv, o_proj, gate_up, down, LM head

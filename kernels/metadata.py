@@ -27,7 +27,9 @@ class AttentionMetadata:
     cu_q_lens: torch.Tensor  # int32[S+1]: prefix sums of new-token counts per sequence
     context_lens: torch.Tensor  # int32[S]: tokens in the cache per sequence once this batch is written
     block_table: torch.Tensor  # int32[S, max_blocks]: cache blocks of each sequence, padded with 0
-    last_token_indices: torch.Tensor  # int64[S]: index in the flat batch of each sequence's last token
+    # int64[R]: flat-batch indices of the tokens whose logits the LM head computes: each sequence's
+    # last token (R = S), or every new token of a sequence that asks for prompt log-probabilities
+    last_token_indices: torch.Tensor
     max_q_len: int  # longest run of new tokens of any sequence (1 for a decode-only batch)
     max_context_len: int  # longest context of any sequence after this batch
 

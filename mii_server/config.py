@@ -131,6 +131,13 @@ class ModelConfig(BaseModel):
         "while the device computes. A request that stops early costs one discarded token of compute. "
         "False waits for every step's tokens before building the next.",
     )
+    enable_prefix_caching: bool = Field(
+        default=True,
+        description="Share full KV blocks between requests by content: a prompt that starts like an "
+        "earlier one (a system prompt, a chat history, few-shot examples) reuses the cached blocks of "
+        "that prefix and computes only the rest. Unused cached blocks are evicted least recently used, "
+        "only when the cache needs room. False computes every prompt in full.",
+    )
     cuda_graph_max_batch: int = Field(
         default=512,
         ge=1,

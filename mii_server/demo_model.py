@@ -13,12 +13,15 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 DEMO_MODEL_NAME = "mii-server-demo-llama-v1"
+# The trained demo model, shipped as package data once it exists (see mii_server/demo_training.py).
+PACKAGED_DEMO_DIR = Path(__file__).with_name("demo_weights")
 
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A model server answers requests for text.
@@ -41,8 +44,9 @@ def cache_root() -> Path:
     return Path(os.environ.get("MII_SERVER_CACHE", Path.home() / ".cache" / "mii_server"))
 
 
-def train_tokenizer(out_dir: Path, vocab_size: int = 384) -> Any:
-    """Train and save a byte-level BPE tokenizer (deterministic); returns the HF fast tokenizer."""
+def train_tokenizer(out_dir: Path, vocab_size: int = 384, texts: Iterable[str] | None = None) -> Any:
+    """Train and save a byte-level BPE tokenizer (deterministic) on ``texts`` (default: the fixed
+    corpus of the tiny test models); returns the HF fast tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -55,7 +59,7 @@ def train_tokenizer(out_dir: Path, vocab_size: int = 384) -> Any:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator([_CORPUS] * 4, trainer)
+    tok.train_from_iterator([_CORPUS] * 4 if texts is None else texts, trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
     )
@@ -96,6 +100,15 @@ def build_tiny_checkpoint(out_dir: Path, model_type: str = "llama", seed: int = 
             p.normal_(0.0, 0.2)
     model.save_pretrained(str(out_dir), safe_serialization=True)
     return out_dir
+
+
+def packaged_demo_path() -> Path | None:
+    """The trained demo checkpoint shipped in the package (``PACKAGED_DEMO_DIR``), or None when the
+    package ships none (then the random demo model of ``demo_model_path`` stands in)."""
+    folder = PACKAGED_DEMO_DIR
+    if (folder / "config.json").exists() and any(folder.glob("*.safetensors")):
+        return folder
+    return None
 
 
 def demo_model_path() -> Path:

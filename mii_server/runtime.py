@@ -12,8 +12,8 @@ import torch
 from .batching.executor import LocalExecutor, StepExecutor
 from .batching.loop import GenerationLoop
 from .config import KVCacheConfig, ModelConfig
-from .demo_model import demo_model_path
-from .engine import BlockedAllocator, BlockedKVCache, InferenceEngine, StateManager
+from .demo_model import demo_model_path, packaged_demo_path
+from .engine import BlockedAllocator, BlockedKVCache, InferenceEngine, PrefixCache, StateManager
 from .errors import InvalidRequest
 from .models import LoadedModel, load_model, resolve_model_path
 from .models.parallel import TensorParallelGroup
@@ -30,8 +30,10 @@ def pick_device(config: ModelConfig, local_rank: int = 0) -> torch.device:
 
 
 def model_path(config: ModelConfig) -> Path:
+    """The checkpoint to load; no model named: the trained demo model when the package ships it,
+    else the random-weight one (built on first use)."""
     if not config.model_name_or_path:
-        return demo_model_path()
+        return packaged_demo_path() or demo_model_path()
     return resolve_model_path(config.model_name_or_path)
 
 
@@ -132,7 +134,8 @@ def build_runtime(
         spec.num_layers, blocks, config.kv_cache.block_size, kv_heads, spec.head_dim,
         kv_cache_dtype(config.kv_cache, loaded), device,
     )  # fmt: skip
-    state = StateManager(BlockedAllocator(blocks), config.kv_cache.block_size, config.max_tracked_sequences)
+    allocator = PrefixCache(blocks) if config.enable_prefix_caching else BlockedAllocator(blocks)
+    state = StateManager(allocator, config.kv_cache.block_size, config.max_tracked_sequences)
     engine = InferenceEngine(
         loaded.model, kv_cache, state, config.max_ragged_batch_size, config.max_ragged_sequence_count
     )
@@ -178,4 +181,5 @@ def build_loop(config: ModelConfig, runtime: Runtime, executor: StepExecutor | N
         max_tracked_sequences=config.max_tracked_sequences,
         seed=config.seed,
         overlap=config.overlap_scheduling,
+        vocab_size=runtime.loaded.spec.vocab_size,
     )

@@ -45,9 +45,16 @@ class LocalExecutor:
 
 
 def run_step(engine: InferenceEngine, step: Step) -> torch.Tensor | None:
+    """Flush, start sequences from cached prefixes, run the forward, register the blocks it filled
+    (this order on every rank: the scheduler counted blocks for it)."""
     for uid in step.flush_uids:
         engine.flush(uid)
+    for uid, hashes in step.cached_prefix:
+        engine.reuse_prefix(uid, hashes)
     if not step.uids:
         return None
     with torch.inference_mode():
-        return engine.put(step.uids, step.tokens)
+        logits = engine.put(step.uids, step.tokens, step.full_logits)
+    for uid, first, hashes in step.register:
+        engine.register_blocks(uid, first, hashes)
+    return logits

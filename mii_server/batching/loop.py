@@ -17,10 +17,14 @@ import torch
 from ..engine.state_manager import blocks_for
 from ..errors import InvalidRequest
 from ..generation.detokenizer import IncrementalDetokenizer
+from ..generation.logprobs import logprobs_of, token_logprobs
 from ..generation.params import GenerateParams
+from ..generation.penalties import PenaltyCounts
+from ..generation.response import TokenLogprob
 from ..generation.sampler import sample_on_device, to_device
 from ..wire.types import EngineStats
 from .executor import StepExecutor
+from .host_copy import HostCopy
 from .request import Request, RequestStatus, RequestUpdate, Sink
 from .scheduler import ScheduledStep, Scheduler
 from .step import fed_back_placeholder
@@ -49,10 +53,12 @@ class _HostCopy:
 
 @dataclass
 class _SampledStep:
-    """A launched step that sampled ``requests`` (in row order); their ids arrive through ``ids``."""
+    """A launched step that sampled ``requests`` (in row order); their ids arrive through
+    ``values``: (ids,), or (ids, chosen log-probs, top ids, top log-probs) when some row asked for
+    log-probabilities (those rows' requests, in order)."""
 
     requests: list[Request]
-    ids: _HostCopy
+    values: HostCopy
 
 
 class GenerationLoop:
@@ -77,7 +83,9 @@ class GenerationLoop:
         max_tracked_sequences: int,
         seed: int = 0,
         overlap: bool = True,
+        vocab_size: int | None = None,
     ) -> None:
+        """``vocab_size``: the model's logits width (default: the tokenizer's length)."""
         self.executor = executor
         self.overlap = overlap and executor.feeds_back
         self._in_flight: _SampledStep | None = None  # launched, ids not read back yet (overlap only)
@@ -86,7 +94,13 @@ class GenerationLoop:
         self.eos_token_ids = eos_token_ids
         self.context_length = context_length
         self.default_max_length = default_max_length
-        self.scheduler = Scheduler(self.engine, max_batch_tokens, max_batch_sequences, max_tracked_sequences)
+        self.scheduler = Scheduler(
+            self.engine, max_batch_tokens, max_batch_sequences, max_tracked_sequences,
+            prefix_caching=self.engine.prefix_cache is not None,
+        )  # fmt: skip
+        self.vocab_size = len(tokenizer) if vocab_size is None else vocab_size
+        self.penalties = PenaltyCounts(self.vocab_size, self.engine.device)
+        self._token_texts: dict[int, str] = {}  # token id -> its text alone (log-probabilities)
         self._uids = itertools.count()
         self._seed = seed
         self._lock = threading.Lock()  # guards the inbox, the abort list and the tokenizer
@@ -121,6 +135,10 @@ class GenerationLoop:
             raise InvalidRequest(
                 f"prompt ({len(ids)} tokens) plus up to {max_new} new tokens needs {need} KV blocks, but the "
                 f"cache holds {self.engine.total_blocks}; lower max_new_tokens or give the cache more memory"
+            )
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            raise InvalidRequest(
+                f"logit_bias names token {max(params.logit_bias)}; the vocabulary has {self.vocab_size}"
             )
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         generator = None
@@ -172,6 +190,7 @@ class GenerationLoop:
             prompt_tokens=self.prompt_tokens,
             generated_tokens=self.generated_tokens,
             preemptions=self.scheduler.num_preemptions,
+            cached_prompt_tokens=self.scheduler.cached_prompt_tokens,
         )
 
     # ---- the stepping thread -------------------------------------------------------------------
@@ -198,43 +217,126 @@ class GenerationLoop:
     def _launch(self, scheduled: ScheduledStep) -> _SampledStep | None:
         """Queue the step's forward and the sampling of every sequence whose prompt it completes;
         returns the step whose ids are to be read back, or None when it samples nothing."""
+        step = scheduled.step
         try:
-            logits = self.executor.execute(scheduled.step)
-            to_sample: list[tuple[int, Request]] = []
-            for row, (req, new_tokens) in enumerate(zip(scheduled.requests, scheduled.step.tokens)):
+            logits = self.executor.execute(step)
+            to_sample: list[tuple[int, Request]] = []  # (logits row, request)
+            if step.full_logits:
+                self._queue_prompt_logprobs(logits, self._full_logit_rows(scheduled))
+            row = 0  # the logits row of each entry's last token
+            full = set(step.full_logits)
+            for i, (req, new_tokens) in enumerate(zip(scheduled.requests, step.tokens)):
+                if full and i in full:
+                    row += len(new_tokens) - 1
                 req.num_computed_tokens += len(new_tokens)
                 if req.num_computed_tokens == req.num_tokens:
                     to_sample.append((row, req))
+                row += 1
             if not to_sample:
                 return None
             assert logits is not None
             if len(to_sample) < logits.shape[0]:  # some sequences are mid-prompt: sample the others
                 logits = logits.index_select(0, to_device([row for row, _ in to_sample], torch.int64, logits.device))
-            ids = sample_on_device(logits, [req.sampling_row() for _, req in to_sample])
+            rows = [req.sampling_row(self.penalties) for _, req in to_sample]
+            sampled = sample_on_device(logits, rows, self.penalties)
         except Exception as err:  # a failed forward must not strand the requests in it
             log.exception("forward pass failed; failing the %d requests in it", len(scheduled.requests))
             for req in scheduled.requests:
                 self._finish(req, RequestUpdate(req.uid, None, err))
             return None
         if self.overlap:
-            self.engine.feed_back(ids)
+            self.engine.feed_back(sampled.ids)
         requests = [req for _, req in to_sample]
         for i, req in enumerate(requests):
             req.launched_sample(fed_back_placeholder(i))
-        return _SampledStep(requests, _HostCopy(ids))
+        extra = sampled.logprobs.tensors() if sampled.logprobs is not None else ()
+        return _SampledStep(requests, HostCopy(sampled.ids, *extra))
+
+    @staticmethod
+    def _full_logit_rows(scheduled: ScheduledStep) -> list[tuple[Request, int, int, int]]:
+        """(request, first logits row, position of that row, rows) of each full-logits entry,
+        before the step's tokens count as computed."""
+        out = []
+        full = set(scheduled.step.full_logits)
+        row = 0
+        for i, (req, new_tokens) in enumerate(zip(scheduled.requests, scheduled.step.tokens)):
+            if i in full:
+                out.append((req, row, req.num_computed_tokens, len(new_tokens)))
+            row += len(new_tokens) if i in full else 1
+        return out
+
+    def _queue_prompt_logprobs(
+        self, logits: torch.Tensor, parts: list[tuple[Request, int, int, int]]
+    ) -> None:
+        """Queue the log-probabilities of the prompt tokens that ``parts`` (request, first logits
+        row, position of that row, rows) predict and that are not computed yet; each request keeps
+        its share of the copy until its first token is read back."""
+        rows: list[int] = []
+        targets: list[int] = []
+        spans: list[tuple[Request, int, int]] = []  # (request, first row in the result, rows)
+        for req, first_row, position, n in parts:
+            lo = max(position, req.num_prompt_logprobs)  # position p predicts prompt token p + 1
+            hi = min(position + n, len(req.prompt_ids) - 1)
+            if hi <= lo:
+                continue
+            spans.append((req, len(rows), hi - lo))
+            rows.extend(range(first_row + lo - position, first_row + hi - position))
+            targets.extend(req.prompt_ids[lo + 1 : hi + 1])
+            req.prompt_logprobs_queued(hi)
+        if not spans:
+            return
+        k = max(req.params.prompt_logprobs or 0 for req, _, _ in spans)
+        device = logits.device
+        rows_logits = logits.index_select(0, to_device(rows, torch.int64, device))  # [M, V]
+        copy = HostCopy(*logprobs_of(rows_logits, to_device(targets, torch.int64, device), k).tensors())
+        for req, first, count in spans:
+            req.prompt_logprob_parts.append((copy, first, count))
 
     def _read_back(self, sampled: _SampledStep) -> None:
-        """Wait for a launched step's ids and hand each request its token."""
-        for token, req in zip(sampled.ids.wait(), sampled.requests):
+        """Wait for a launched step's ids (and log-probabilities) and hand each request its token."""
+        values = sampled.values.wait()
+        next_logprob = 0  # index into the log-probability rows (the requests that asked, in order)
+        for token, req in zip(values[0], sampled.requests):
+            m = -1
+            if req.wants_logprobs:
+                m, next_logprob = next_logprob, next_logprob + 1
             if req.status is RequestStatus.FINISHED:  # aborted, or stopped by the token before this one
                 continue
-            response = req.append(token)
+            logprob = None
+            if m >= 0:
+                chosen, top_ids, top_logprobs = values[1][m], values[2][m], values[3][m]
+                k = req.params.logprobs or 0
+                (logprob,) = token_logprobs([token], [chosen], [top_ids], [top_logprobs], [k], self._token_text)
+            prompt_logprobs = None
+            if not req.output_ids and req.params.prompt_logprobs is not None:  # its first token
+                prompt_logprobs = self._prompt_logprobs(req)
+            response = req.append(token, logprob, prompt_logprobs)
             self.generated_tokens += 1
             update = RequestUpdate(req.uid, response)
             if update.finished:
                 self._finish(req, update)
             else:
                 self._emit(req, update)
+
+    def _prompt_logprobs(self, req: Request) -> list[TokenLogprob | None]:
+        """The prompt's log-probabilities, from the parts its prompt chunks queued."""
+        out: list[TokenLogprob | None] = [None]  # nothing predicts the first token
+        k = req.params.prompt_logprobs or 0
+        for copy, first, count in req.prompt_logprob_parts:
+            chosen, top_ids, top_logprobs = copy.wait()
+            span = slice(first, first + count)
+            targets = req.prompt_ids[len(out) : len(out) + count]
+            out += token_logprobs(
+                targets, chosen[span], top_ids[span], top_logprobs[span], [k] * count, self._token_text
+            )
+        req.prompt_logprob_parts.clear()
+        return out
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def _take_inbox(self) -> None:
         with self._lock:
@@ -251,6 +353,7 @@ class GenerationLoop:
 
     def _finish(self, req: Request, update: RequestUpdate) -> None:
         self.scheduler.finish(req)
+        self.penalties.release(req.uid)
         self._live.pop(req.uid, None)
         self.requests_finished += 1
         self._emit(req, update)

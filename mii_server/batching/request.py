@@ -10,9 +10,11 @@ import torch
 
 from ..generation.detokenizer import IncrementalDetokenizer
 from ..generation.params import GenerateParams
-from ..generation.response import FinishReason, Response
+from ..generation.penalties import PenaltyCounts
+from ..generation.response import FinishReason, Response, TokenLogprob
 from ..generation.sampler import SamplingRow
 from ..generation.stopping import StopStringMatcher
+from .host_copy import HostCopy
 
 
 class RequestStatus(enum.Enum):
@@ -60,9 +62,26 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_strings: StopStringMatcher = field(init=False)
     first_update_sent: bool = False
+    # prefix caching (kept by the scheduler)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its first full blocks
+    num_registered_blocks: int = 0  # leading blocks whose content the engine's cache knows
+    num_cached_tokens: int | None = None  # prompt tokens taken from the cache at first admission
+    # prompt log-probabilities: logits positions 0 .. n-1 are computed (n is this), and where the
+    # values wait to be read back: (copy of a Logprobs' tensors, first row, rows)
+    num_prompt_logprobs: int = 0
+    prompt_logprob_parts: list[tuple[HostCopy, int, int]] = field(default_factory=list)
+    # prompt log-probabilities asked for and not all computed (a flag: the scheduler reads it per step)
+    full_logits_pending: bool = field(init=False)
+    wants_logprobs: bool = field(init=False)  # logprobs asked for
+    penalized: bool = field(init=False)  # presence, frequency or repetition penalty asked for
+    _row: SamplingRow | None = field(init=False, default=None)  # once min_new_tokens is past
 
     def __post_init__(self) -> None:
         self.stop_strings = StopStringMatcher(self.params.stop)
+        p = self.params
+        self.full_logits_pending = p.prompt_logprobs is not None and len(self.prompt_ids) > 1
+        self.wants_logprobs = p.logprobs is not None
+        self.penalized = p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
 
     def token_slice(self, start: int, n: int) -> list[int]:
         """Tokens ``start:start+n`` of prompt + output (+ the in-flight token's placeholder), without
@@ -83,6 +102,21 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids) + self.num_in_flight
 
     @property
+    def num_known_tokens(self) -> int:
+        """Prompt and generated tokens whose ids the host has (not a token in flight)."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def wants_full_logits(self, n: int) -> bool:
+        """Whether feeding the next ``n`` tokens must return logits for each of them: prompt
+        log-probabilities are asked for and that chunk reaches positions not computed yet."""
+        return self.full_logits_pending and self.num_computed_tokens + n > self.num_prompt_logprobs
+
+    def prompt_logprobs_queued(self, upto: int) -> None:
+        """Logits positions below ``upto`` have their prompt log-probabilities computed."""
+        self.num_prompt_logprobs = upto
+        self.full_logits_pending = upto < len(self.prompt_ids) - 1
+
+    @property
     def num_generated(self) -> int:
         return len(self.output_ids) + self.num_in_flight
 
@@ -94,17 +128,38 @@ class Request:
             return 0
         return self.num_tokens - self.num_computed_tokens
 
-    def sampling_row(self) -> SamplingRow:
+    def sampling_row(self, penalties: PenaltyCounts | None = None) -> SamplingRow:
+        """How to sample this request's next token; a penalized request needs ``penalties``.
+
+        The same row serves every step once min_new_tokens is reached (its PenaltyCounts row is
+        the request's for its whole life): building it per token would cost the hot loop."""
+        if self._row is not None:
+            return self._row
         p = self.params
-        banned = sorted(self.stop_ids) if self.num_generated < p.min_new_tokens else ()
-        return SamplingRow(
+        banning = self.num_generated < p.min_new_tokens
+        penalty_row = None
+        if self.penalized:
+            assert penalties is not None, "a penalized request samples with the loop's PenaltyCounts"
+            penalty_row = penalties.row(self.uid, self.prompt_ids, self.output_ids)
+        row = SamplingRow(
             greedy=not p.do_sample,
             temperature=p.temperature or 1.0,
             top_k=p.top_k,
             top_p=p.top_p,
             generator=self.generator,
-            banned_ids=banned,
+            banned_ids=sorted(self.stop_ids) if banning else (),
+            min_p=p.min_p,
+            bias_ids=tuple(p.logit_bias),
+            bias_values=tuple(p.logit_bias.values()),
+            penalty_row=penalty_row,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty,
+            logprobs=p.logprobs,
         )
+        if not banning:
+            self._row = row
+        return row
 
     def launched_sample(self, placeholder: int) -> None:
         """A token was sampled on the device; until ``append`` reads it back, steps feed it as
@@ -112,8 +167,14 @@ class Request:
         self.num_in_flight += 1
         self.fed_back_token = placeholder
 
-    def append(self, token_id: int) -> Response:
-        """Record a sampled token; return the update's response (finish_reason NONE unless done)."""
+    def append(
+        self,
+        token_id: int,
+        logprob: TokenLogprob | None = None,
+        prompt_logprobs: list[TokenLogprob | None] | None = None,
+    ) -> Response:
+        """Record a sampled token (with its log-probabilities, when asked for); return the update's
+        response (finish_reason NONE unless done)."""
         if self.num_in_flight:
             self.num_in_flight -= 1
         self.output_ids.append(token_id)
@@ -132,7 +193,11 @@ class Request:
                 ids = self.output_ids[:-1] if finish is FinishReason.STOP else self.output_ids
                 text = self.detokenizer.push_all(ids)
             text += self.stop_strings.feed(self.detokenizer.flush()) + self.stop_strings.flush()
-        return self._response(text, [token_id], finish)
+        response = self._response(text, [token_id], finish)
+        if logprob is not None:
+            response.logprobs = [logprob]
+        response.prompt_logprobs = prompt_logprobs
+        return response
 
     def abort_response(self) -> Response:
         return self._response(self.stop_strings.flush(), [], FinishReason.ABORT)
@@ -147,4 +212,6 @@ class Request:
             generated_length=len(self.output_ids),
             finish_reason=finish,
             token_ids=ids,
+            cached_tokens=self.num_cached_tokens or 0,
+            logprobs=None if self.params.logprobs is None else [],
         )

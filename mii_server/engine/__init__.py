@@ -3,6 +3,7 @@
 from .allocator import BlockedAllocator
 from .engine import InferenceEngine, SchedulingResult
 from .kv_cache import BlockedKVCache
+from .prefix_cache import PrefixCache
 from .ragged_batch import RaggedBatch
 from .state_manager import SequenceDescriptor, StateManager
 
@@ -10,6 +11,7 @@ __all__ = [
     "BlockedAllocator",
     "BlockedKVCache",
     "InferenceEngine",
+    "PrefixCache",
     "RaggedBatch",
     "SchedulingResult",
     "SequenceDescriptor",

@@ -28,6 +28,10 @@ class BlockedAllocator:
     def free_blocks(self) -> int:
         return len(self._free)
 
+    def refcount(self, block: int) -> int:
+        """1 while ``block`` is handed out, else 0 (blocks are never shared here)."""
+        return self._allocated[block]
+
     def allocate(self, n: int) -> list[int] | None:
         """Take ``n`` blocks, or return None (taking none) when fewer than ``n`` are free."""
         if n < 0:

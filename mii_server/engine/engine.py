@@ -14,6 +14,7 @@ import torch
 from ..errors import CapacityExceeded
 from .cuda_graphs import DecodeGraphs, graph_batch_sizes
 from .kv_cache import BlockedKVCache
+from .prefix_cache import BlockBudget, PrefixCache
 from .ragged_batch import HostStaging, RaggedBatch, with_fed_back
 from .state_manager import StateManager
 
@@ -50,6 +51,9 @@ class InferenceEngine:
         # the ids the caller sampled from the last put's logits, for the next put (see feed_back)
         self._fed_back = torch.zeros(max_ragged_sequence_count, dtype=torch.int64, device=self.device)
         self.use_cuda_graphs = True  # False runs every step eagerly even when graphs were captured
+        # blocks shared by content (a StateManager over a PrefixCache), else None
+        allocator = state_manager.allocator
+        self.prefix_cache = allocator if isinstance(allocator, PrefixCache) else None
 
     def capture_cuda_graphs(self, max_context_len: int, max_batch: int = 512) -> DecodeGraphs:
         """Capture decode-only forwards for a ladder of batch sizes (CUDA only); later ``put``s of
@@ -77,6 +81,41 @@ class InferenceEngine:
     @property
     def total_blocks(self) -> int:
         return self.state.allocator.num_blocks
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks whose content a new sequence may reuse (0 without prefix caching)."""
+        return 0 if self.prefix_cache is None else self.prefix_cache.cached_blocks
+
+    def block_budget(self) -> BlockBudget:
+        """A fresh count of allocatable blocks for scheduling one step (see ``BlockBudget``)."""
+        state = self.state
+        empty: list[int] = []
+        return BlockBudget(
+            free=state.allocator.free_blocks,
+            refcount=state.allocator.refcount,
+            blocks_of=lambda uid: seq.blocks if (seq := state.get(uid)) is not None else empty,
+            match=(lambda hashes: []) if self.prefix_cache is None else self.prefix_cache.match,
+        )
+
+    def reuse_prefix(self, uid: int, hashes: Sequence[bytes]) -> None:
+        """Start the new sequence ``uid`` from the cached blocks of ``hashes`` (see
+        ``prefix_cache.chain_hashes``): its first ``len(hashes) * block_size`` tokens are seen.
+        Every hash must be cached (the scheduler checked, on this rank's twin state)."""
+        if self.prefix_cache is None:
+            raise ValueError("prefix reuse needs an engine with prefix caching")
+        if len(self.prefix_cache.match(hashes)) != len(hashes):
+            raise ValueError(f"sequence {uid} asks for {len(hashes)} cached blocks; not all are cached")
+        self.state.adopt(uid, self.prefix_cache.acquire(hashes))
+
+    def register_blocks(self, uid: int, first: int, hashes: Sequence[bytes]) -> None:
+        """Blocks ``first, first + 1, ...`` of ``uid`` are full and hold the content of ``hashes``:
+        make them reusable (a no-op without prefix caching; content cached already stays where it is)."""
+        if self.prefix_cache is None:
+            return
+        blocks = self.state.get(uid).blocks  # type: ignore[union-attr]
+        for block, block_hash in zip(blocks[first : first + len(hashes)], hashes, strict=True):
+            self.prefix_cache.register(block, block_hash)
 
     def blocks_held(self, uid: int) -> int:
         seq = self.state.get(uid)
@@ -119,12 +158,16 @@ class InferenceEngine:
             raise ValueError(f"can feed back at most {self._fed_back.numel()} ids, got {ids.numel()}")
         self._fed_back[: ids.numel()].copy_(ids)
 
-    def put(self, uids: Sequence[int], tokens: Sequence[Sequence[int]]) -> torch.Tensor:
+    def put(
+        self, uids: Sequence[int], tokens: Sequence[Sequence[int]], full_logits: Sequence[int] = ()
+    ) -> torch.Tensor:
         """Append ``tokens[i]`` to sequence ``uids[i]`` (created on first sight) and run one forward.
 
         A negative token ``-1 - i`` stands for id ``i`` of the last ``feed_back``. Returns float32
-        logits ``[len(uids), vocab]`` for the last new token of each sequence.
-        Raises CapacityExceeded (changing nothing) when the batch breaks a limit.
+        logits ``[R, vocab]``, sequence after sequence: one row for the last new token of each
+        sequence, except the sequences at the batch indices ``full_logits``, which get a row for
+        every new token (prompt log-probabilities). Raises CapacityExceeded (changing nothing) when
+        the batch breaks a limit.
         """
         if len(uids) != len(tokens) or not uids:
             raise ValueError("put needs one non-empty token list per uid")
@@ -138,10 +181,13 @@ class InferenceEngine:
         sequences = [self.state.get_or_create(uid) for uid in uids]
         for seq, new in zip(sequences, tokens):
             self.state.reserve(seq, len(new))
+        # (a one-token entry's "every token" is its last token: graphs serve full_logits entries too)
         if self._graphs is not None and self.use_cuda_graphs and self._graphs.fits(sequences, tokens):
             logits = self._graphs.run(sequences, tokens)
         else:
-            batch = RaggedBatch.build(sequences, tokens, self.block_size, self.device, self._staging)
+            batch = RaggedBatch.build(
+                sequences, tokens, self.block_size, self.device, self._staging, full_logits
+            )
             ids = batch.input_ids
             if min(map(min, tokens)) < 0:
                 ids = with_fed_back(ids, self._fed_back)

@@ -30,11 +30,16 @@ class BatchLayout:
     num_tokens: int  # T: token rows (padding included)
     num_seqs: int  # S: sequence rows (padding included)
     table_width: int  # W: block-table columns
+    num_logits: int | None = None  # R: tokens whose logits are computed; None: one per sequence (S)
+
+    @property
+    def logit_rows(self) -> int:
+        return self.num_seqs if self.num_logits is None else self.num_logits
 
     def fields(self) -> dict[str, tuple[int, int, str]]:
         """name -> (byte offset, element count, dtype name)."""
-        t, s, w = self.num_tokens, self.num_seqs, self.table_width
-        sizes = [("ids", t, "int64"), ("positions", t, "int64"), ("slots", t, "int64"), ("last", s, "int64"),
+        t, s, w, r = self.num_tokens, self.num_seqs, self.table_width, self.logit_rows
+        sizes = [("ids", t, "int64"), ("positions", t, "int64"), ("slots", t, "int64"), ("last", r, "int64"),
                  ("cu", s + 1, "int32"), ("context", s, "int32"), ("table", s * w, "int32")]  # fmt: skip
         out, offset = {}, 0
         for name, count, dtype in sizes:
@@ -82,12 +87,15 @@ def pack_batch(
     block_size: int,
     num_seqs: int | None = None,
     table_width: int | None = None,
+    full_logits: Sequence[int] = (),
 ) -> PackedBatch:
     """Pack ``tokens[i]`` as the next tokens of ``sequences[i]`` (vectorised; no per-token Python).
 
     Each descriptor must already hold blocks for its new tokens and still report the tokens seen
     *before* this batch in ``seen_tokens``. ``num_seqs`` pads to that many sequences *and* tokens
     (decode-only batches, for a CUDA-graph rung); ``table_width`` fixes the block-table width.
+    The sequences at the indices ``full_logits`` get logits for every new token, the others for
+    their last one.
     """
     n = len(sequences)
     q_lens = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=n)  # [n]
@@ -102,7 +110,13 @@ def pack_batch(
         raise ValueError(
             f"cannot pad {n} sequences / {real_tokens} tokens / {most_blocks} blocks to {s}/{t}/{w}"
         )
-    layout = BatchLayout(t, s, w)
+    rows_per_seq = None  # logit rows of each real sequence, when some want more than one
+    if full_logits:
+        if num_seqs is not None:
+            raise ValueError("padded batches compute one logit row per sequence")
+        rows_per_seq = np.ones(n, dtype=np.int64)
+        rows_per_seq[list(full_logits)] = q_lens[list(full_logits)]
+    layout = BatchLayout(t, s, w, None if rows_per_seq is None else int(rows_per_seq.sum()))
     data = np.zeros(layout.nbytes, dtype=np.uint8)
     f = {
         name: data[off : off + count * (8 if dtype == "int64" else 4)].view(dtype)
@@ -127,8 +141,11 @@ def pack_batch(
     ids[real_tokens:] = 0
     positions[real_tokens:] = 0
     slots[real_tokens:] = -1  # why: the KV append skips negative slots, so padding writes nothing
-    last[:n] = cu[1 : n + 1] - 1
-    last[n:] = np.arange(n, s)  # padding only happens with t == s: each padded row points at itself
+    if rows_per_seq is None:
+        last[:n] = cu[1 : n + 1] - 1
+        last[n:] = np.arange(n, s)  # padding only happens with t == s: each padded row points at itself
+    else:  # the last rows_per_seq[i] tokens of sequence i, in order
+        last[:] = np.repeat(cu[1 : n + 1] - rows_per_seq, rows_per_seq) + _ranks(rows_per_seq)
     return PackedBatch(
         layout=layout,
         data=data,
@@ -206,12 +223,13 @@ class RaggedBatch:
         block_size: int,
         device: torch.device,
         staging: HostStaging | None = None,
+        full_logits: Sequence[int] = (),
     ) -> RaggedBatch:
         """Pack ``tokens[i]`` as the next tokens of ``sequences[i]`` and move them to ``device``.
 
         Each descriptor must already hold blocks for its new tokens and still report the tokens
-        seen *before* this batch in ``seen_tokens``.
+        seen *before* this batch in ``seen_tokens``. ``full_logits``: as in ``pack_batch``.
         """
-        packed = pack_batch(sequences, tokens, block_size)
+        packed = pack_batch(sequences, tokens, block_size, full_logits=full_logits)
         buffer = (staging or HostStaging(device)).upload(packed)
         return packed.layout.views(buffer, packed.max_q_len, packed.max_context_len)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ..errors import CapacityExceeded
-from .allocator import BlockedAllocator
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -25,10 +25,26 @@ class SequenceDescriptor:
         return len(self.blocks) * block_size
 
 
-class StateManager:
-    """Tracks every live sequence and the blocks it holds; blocks come from one BlockedAllocator."""
+class BlockSource(Protocol):
+    """Where blocks come from: a ``BlockedAllocator``, or a ``PrefixCache`` when blocks are shared."""
 
-    def __init__(self, allocator: BlockedAllocator, block_size: int, max_tracked_sequences: int) -> None:
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def free_blocks(self) -> int: ...
+
+    def refcount(self, block: int) -> int: ...
+
+    def allocate(self, n: int) -> list[int] | None: ...
+
+    def free(self, blocks: list[int]) -> None: ...
+
+
+class StateManager:
+    """Tracks every live sequence and the blocks it holds; blocks come from one allocator."""
+
+    def __init__(self, allocator: BlockSource, block_size: int, max_tracked_sequences: int) -> None:
         self.allocator = allocator
         self.block_size = block_size
         self.max_tracked_sequences = max_tracked_sequences
@@ -53,6 +69,16 @@ class StateManager:
             seq = self._sequences[uid] = SequenceDescriptor(uid)
         return seq
 
+    def adopt(self, uid: int, blocks: list[int]) -> SequenceDescriptor:
+        """Start the new sequence ``uid`` with ``blocks`` (full, already holding its first tokens'
+        KV and referenced for it) as its first blocks."""
+        if uid in self._sequences:
+            raise ValueError(f"sequence {uid} exists already; only a new sequence starts from cached blocks")
+        seq = self.get_or_create(uid)
+        seq.blocks.extend(blocks)
+        seq.seen_tokens = len(blocks) * self.block_size
+        return seq
+
     def blocks_needed(self, uid: int, new_tokens: int) -> int:
         """Extra blocks the sequence ``uid`` (new or live) needs to append ``new_tokens`` tokens."""
         seq = self._sequences.get(uid)
@@ -75,5 +101,7 @@ class StateManager:
         """Forget ``uid`` and return its blocks to the allocator; returns how many were freed.
         An unknown uid raises KeyError."""
         seq = self._sequences.pop(uid)
-        self.allocator.free(seq.blocks)
+        # last block first: when they are cached, a prefix's tail is evicted before its head (a
+        # head is worth more: every longer prefix needs it)
+        self.allocator.free(seq.blocks[::-1])
         return len(seq.blocks)

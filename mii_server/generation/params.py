@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..errors import InvalidRequest, UnknownArgument
 
 MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_LOGPROBS = 20  # alternatives per position (OpenAI's top_logprobs limit)
 
 
 class GenerateParams(BaseModel):
@@ -62,6 +64,54 @@ class GenerateParams(BaseModel):
     seed: int | None = Field(
         default=None, ge=0, lt=2**63, description="Seeds this request's sampler: the same seed repeats."
     )
+    presence_penalty: float = Field(
+        default=0.0,
+        ge=-2,
+        le=2,
+        description="OpenAI's: subtracted from the logit of every token that occurs in the output so far "
+        "(the prompt does not count, as in vLLM).",
+    )
+    frequency_penalty: float = Field(
+        default=0.0,
+        ge=-2,
+        le=2,
+        description="OpenAI's: subtracted, times the token's count, from the logit of every token in the "
+        "output so far.",
+    )
+    repetition_penalty: float = Field(
+        default=1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Transformers' (CTRL's): the logit of every token of the prompt or the output so far is "
+        "divided by it when positive, multiplied when negative; 1.0 is off. Applies to greedy requests too.",
+    )
+    min_p: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="Sampling keeps only tokens at least min_p times as likely as the most likely one "
+        "(after temperature); 0 is off.",
+    )
+    logit_bias: dict[int, float] = Field(
+        default_factory=dict,
+        description="Token id -> value added to its logit before sampling (-100 bans, 100 forces, in "
+        "practice); OpenAI's. JSON object keys (decimal strings) are read as ids.",
+    )
+    logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Return each generated token's log-probability and the k most likely alternatives "
+        "(raw: the model's log-softmax before any sampling control, as vLLM's default); None is off.",
+    )
+    prompt_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Return each prompt token's log-probability given the tokens before it (the first "
+        "has none) and the k most likely alternatives there; such a prompt is always computed, never "
+        "taken from the prefix cache. None is off.",
+    )
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -88,6 +138,25 @@ class GenerateParams(BaseModel):
     def _ids_non_negative(cls, value: list[int]) -> list[int]:
         if any(i < 0 for i in value):
             raise ValueError("stop_token_ids must be non-negative")
+        return value
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _json_keys_as_ids(cls, value: Any) -> Any:
+        # why: a JSON object's keys are strings, so {"50256": -100} is how every HTTP caller writes it
+        if isinstance(value, dict):
+            return {int(k) if isinstance(k, str) and k.isdecimal() else k: v for k, v in value.items()}
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_in_range(cls, value: dict[int, float]) -> dict[int, float]:
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries")
+        if any(i < 0 for i in value):
+            raise ValueError("logit_bias token ids must be non-negative")
+        if any(not -100 <= b <= 100 for b in value.values()):
+            raise ValueError("logit_bias values must be between -100 and 100")
         return value
 
     @model_validator(mode="after")

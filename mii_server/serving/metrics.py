@@ -8,7 +8,7 @@ Every engine-level series carries a ``replica`` label, so a replica's own ``/met
 |---|---|---|
 | ``mii_server:num_requests_running`` / ``num_requests_waiting`` | gauge | engine stats |
 | ``mii_server:kv_cache_blocks_used`` / ``kv_cache_blocks_total`` / ``kv_cache_usage_perc`` | gauge | engine stats |
-| ``mii_server:prompt_tokens_total`` / ``generation_tokens_total`` / ``num_preemptions_total`` | counter | engine stats |
+| ``mii_server:prompt_tokens_total`` / ``generation_tokens_total`` / ``num_preemptions_total`` / ``prefix_cache_hits_total`` | counter | engine stats |
 | ``mii_server:replica_healthy`` | gauge | engine stats |
 | ``mii_server:request_success_total{finished_reason}`` | counter | replica, per prompt (stop, length, abort) |
 | ``mii_server:request_failure_total{reason}`` | counter | replica (error type), gateways (HTTP error kind) |
@@ -86,6 +86,7 @@ class EngineStatsCollector:
             "prompt_tokens": "Prompt tokens of requests accepted.",
             "generation_tokens": "Tokens generated.",
             "num_preemptions": "Requests preempted for want of KV blocks.",
+            "prefix_cache_hits": "Prompt tokens served from the prefix cache instead of computed.",
         }
         g = {k: GaugeMetricFamily(PREFIX + k, doc, labels=["replica"]) for k, doc in gauges.items()}
         c = {k: CounterMetricFamily(PREFIX + k, doc, labels=["replica"]) for k, doc in counters.items()}
@@ -101,6 +102,7 @@ class EngineStatsCollector:
             c["prompt_tokens"].add_metric(label, s.prompt_tokens)
             c["generation_tokens"].add_metric(label, s.generated_tokens)
             c["num_preemptions"].add_metric(label, s.preemptions)
+            c["prefix_cache_hits"].add_metric(label, s.cached_prompt_tokens)
         yield from g.values()
         yield from c.values()
 

@@ -32,6 +32,7 @@ class EngineStats:
     prompt_tokens: int = 0  # prompt tokens of every request accepted
     generated_tokens: int = 0  # tokens sampled
     preemptions: int = 0  # sequences preempted (and recomputed) for want of KV blocks
+    cached_prompt_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed
 
 
 @dataclass

@@ -58,6 +58,24 @@ def test_unknown_generate_kwarg(pipe: Pipeline) -> None:
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"max_new_tokens": 2, "min_new_tokens": 5}, "min_new_tokens"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"frequency_penalty": "1"}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"logit_bias": {5: 101}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+        ({"logit_bias": {5: "1"}}, "logit_bias"),
+        ({"logit_bias": [5, 1]}, "logit_bias"),
+        ({"logit_bias": {i: 1.0 for i in range(1025)}}, "logit_bias"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt_logprobs": 1.0}, "prompt_logprobs"),
     ],
 )
 def test_bad_values_raise_invalid_request(
@@ -66,6 +84,14 @@ def test_bad_values_raise_invalid_request(
     with pytest.raises(InvalidRequest, match=field) as info:
         pipe(PROMPTS, **kwargs)
     assert str(info.value).startswith("invalid generation parameters")
+    assert_idle(pipe)
+
+
+def test_logit_bias_keys_from_json_and_the_vocabulary_bound(pipe: Pipeline) -> None:
+    assert GenerateParams.from_kwargs(logit_bias={"7": -100, 9: 2}).logit_bias == {7: -100.0, 9: 2.0}
+    vocab = pipe.loop.vocab_size
+    with pytest.raises(InvalidRequest, match=f"logit_bias names token {vocab}; the vocabulary has {vocab}"):
+        pipe(PROMPTS, logit_bias={vocab: 1.0}, **GREEDY)
     assert_idle(pipe)
 
 

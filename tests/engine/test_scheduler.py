@@ -3,7 +3,7 @@ cache holds the prompt, and preemption that frees blocks and loses nothing."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +15,7 @@ from mii_server.batching.request import Request, RequestStatus, RequestUpdate
 from mii_server.batching.scheduler import Scheduler
 from mii_server.batching.step import Step
 from mii_server.engine import InferenceEngine
+from mii_server.engine.prefix_cache import BlockBudget
 from mii_server.generation.detokenizer import IncrementalDetokenizer
 from mii_server.generation.params import GenerateParams
 from mii_server.in_process import Pipeline
@@ -50,7 +51,7 @@ class RecordingExecutor:
         for uid in step.flush_uids:
             self.engine.flush(uid)
         prompt_entries = [self.engine.seen_tokens(uid) < self.prompt_lengths[uid] for uid in step.uids]
-        logits = run_step(self.engine, Step(uids=step.uids, tokens=step.tokens))
+        logits = run_step(self.engine, replace(step, flush_uids=[]))
         held = {uid: self.engine.blocks_held(uid) for uid in step.flush_uids}
         self.records.append(StepRecord(step, prompt_entries, held))
         return logits
@@ -153,13 +154,17 @@ class FakeBlocks:
     def blocks_held(self, uid: int) -> int:
         return self.held.get(uid, 0)
 
+    def block_budget(self) -> BlockBudget:  # no sharing: every held block has one reference
+        blocks_of = lambda uid: [uid * 1000 + i for i in range(self.blocks_held(uid))]
+        return BlockBudget(self.free_blocks, refcount=lambda block: 1, blocks_of=blocks_of, match=lambda h: [])
 
-def make_request(uid: int, prompt_len: int) -> Request:
+
+def make_request(uid: int, prompt_len: int, params: GenerateParams = GREEDY) -> Request:
     ids = list(range(1, prompt_len + 1))
     return Request(
         uid=uid,
         prompt_ids=ids,
-        params=GREEDY,
+        params=params,
         max_new_tokens=NEW_TOKENS,
         stop_ids=frozenset(),
         detokenizer=IncrementalDetokenizer(None, ids),
@@ -197,3 +202,29 @@ def test_sequence_cap_limits_admission() -> None:
         req.num_computed_tokens = req.num_tokens
     assert sched.schedule().step.uids == [2]  # max_tracked_sequences: three running at most
     assert [r.uid for r in sched.waiting] == [3, 4]
+
+
+def test_prompt_logprobs_chunks_fit_the_logit_row_cap() -> None:
+    """A request asking for prompt log-probabilities gets a logits row per prompt token; a step holds
+    at most max_batch_sequences rows, so its prompt is cut into chunks of that many."""
+    blocks = FakeBlocks(block_size=4, total_blocks=100, free_blocks=100)
+    sched = Scheduler(blocks, max_batch_tokens=100, max_batch_sequences=4, max_tracked_sequences=8)
+    scoring = make_request(0, 10, GenerateParams(max_new_tokens=2, do_sample=False, prompt_logprobs=1))
+    plain = make_request(1, 6)
+    sched.add(scoring)
+    sched.add(plain)
+    out = sched.schedule()
+    assert out.step.uids == [0] and out.step.tokens == [[1, 2, 3, 4]] and out.step.full_logits == [0]
+    scoring.num_computed_tokens += 4
+    scoring.prompt_logprobs_queued(4)  # what the loop does once the logits are in
+    out = sched.schedule()
+    # 4 more rows for the scoring prompt leave none for the plain one (which needs one row)
+    assert out.step.uids == [0] and out.step.tokens == [[5, 6, 7, 8]] and out.step.full_logits == [0]
+    scoring.num_computed_tokens += 4
+    scoring.prompt_logprobs_queued(8)
+    out = sched.schedule()
+    # positions 8 and 9: row 8 predicts the last prompt token, row 9 the first output token
+    assert out.step.uids == [0, 1] and out.step.full_logits == [0]
+    assert out.step.tokens == [[9, 10], [1, 2, 3, 4, 5, 6]]
+    scoring.prompt_logprobs_queued(9)
+    assert not scoring.full_logits_pending

@@ -24,7 +24,8 @@ try:  # a prompt rank 0 refuses must not leave the other ranks waiting for a ste
 except InvalidRequest:
     assert rank == 0
 second = pipe(prompts[:1], max_new_tokens=4, do_sample=False, ignore_eos=True)  # and the next call works
-result = {"first": [r.token_ids for r in first], "second": [r.token_ids for r in second]}
+result = {"first": [r.token_ids for r in first], "second": [r.token_ids for r in second],
+          "cached": [r.cached_tokens for r in first + second]}  # fmt: skip
 if rank == 0 or all_ranks:
     with open(f"{out}.{rank}", "w") as f:
         json.dump(result, f)
