@@ -6,13 +6,14 @@ no orphans.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import subprocess
 from pathlib import Path
 
-from .spec import LaunchSpec, Role, command
+from .spec import Role, Spec, command
 
 PARENT_PID_ENV = "MII_SERVER_PARENT_PID"
 
@@ -41,13 +42,14 @@ def _die_with_parent() -> None:
 
 def spawn(
     role: Role,
-    spec: LaunchSpec,
-    log_path: Path,
+    spec: Spec,
+    log_path: Path | None,
     *,
     detach: bool,
     env: dict[str, str] | None = None,
 ) -> subprocess.Popen:
-    """Start a child with stdout and stderr appended to ``log_path``.
+    """Start a child with stdout and stderr appended to ``log_path`` (None: this process's own, as a
+    replica running on its own gives its ranks: one log stream per pod).
 
     ``detach=True`` (the supervisor started by ``serve()``): a new session, so the deployment outlives
     the calling script and its terminal's Ctrl-C. ``detach=False`` (children of the supervisor): also
@@ -60,12 +62,12 @@ def spawn(
         child_env.pop(PARENT_PID_ENV, None)
     else:
         child_env[PARENT_PID_ENV] = str(os.getpid())
-    with open(log_path, "ab") as log:
+    with open(log_path, "ab") if log_path is not None else contextlib.nullcontext() as log:
         return subprocess.Popen(
             command(role, spec),
             stdin=subprocess.DEVNULL,
             stdout=log,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.STDOUT if log is not None else None,
             env=child_env,
             start_new_session=True,
             # why preexec_fn: PR_SET_PDEATHSIG has no other spelling; it only calls a preloaded prctl

@@ -1,6 +1,9 @@
-"""What a child process is told: its role and a ``LaunchSpec``, as url-safe base64 JSON on its command line.
+"""What a child process is told: its role and its spec, as url-safe base64 JSON on its command line.
 
-JSON, never pickle, and no secret: secrets travel by environment or file.
+The supervisor's children get a ``LaunchSpec`` (the whole deployment, and for a replica its index),
+from which the role derives its own config (``serving.control.roles``); a replica's tensor-parallel
+ranks get a ``RankSpec`` from their rank 0, which may run under the supervisor or on its own
+(``mii-server replica``). JSON, never pickle, and no secret: secrets travel by environment or file.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..serving.control.deployment import DeploymentConfig
+from ..serving.control.roles import ReplicaRole
 
 Role = Literal["supervisor", "replica", "replica-rank", "load-balancer", "rest-gateway", "openai-server"]
 ROLES: tuple[Role, ...] = (
@@ -25,15 +29,12 @@ ROLES: tuple[Role, ...] = (
 
 
 class LaunchSpec(BaseModel):
-    """Everything one child needs: the deployment, and for a replica which one it is."""
+    """What a child of the supervisor is told: the deployment, and for a replica which one it is."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     deployment: DeploymentConfig = Field(description="The whole deployment's configuration.")
     replica_index: int | None = Field(default=None, ge=0, description="Which replica (role replica only).")
-    rank_link: RankLink | None = Field(
-        default=None, description="How a tensor-parallel follower finds its rank 0 (role replica-rank only)."
-    )
 
 
 class RankLink(BaseModel):
@@ -46,16 +47,27 @@ class RankLink(BaseModel):
     channel_port: int = Field(ge=1, le=65535, description="Rank 0's ZMQ step publisher port.")
 
 
-LaunchSpec.model_rebuild()
+class RankSpec(BaseModel):
+    """What a tensor-parallel follower (role replica-rank) is told by the rank 0 that starts it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    replica: ReplicaRole = Field(description="The replica this rank belongs to.")
+    rank_link: RankLink = Field(description="How this rank finds its rank 0.")
 
 
-def encode(spec: LaunchSpec) -> str:
+Spec = LaunchSpec | RankSpec
+
+
+def encode(spec: Spec) -> str:
     return base64.urlsafe_b64encode(spec.model_dump_json().encode()).decode("ascii")
 
 
-def decode(text: str) -> LaunchSpec:
-    return LaunchSpec.model_validate_json(base64.urlsafe_b64decode(text.encode("ascii")))
+def decode(role: Role, text: str) -> Spec:
+    """The spec of a ``role`` process (a ``RankSpec`` for replica-rank, else a ``LaunchSpec``)."""
+    kind = RankSpec if role == "replica-rank" else LaunchSpec
+    return kind.model_validate_json(base64.urlsafe_b64decode(text.encode("ascii")))
 
 
-def command(role: Role, spec: LaunchSpec) -> list[str]:
+def command(role: Role, spec: Spec) -> list[str]:
     return [sys.executable, "-m", "mii_server.launch", "--role", role, "--config", encode(spec)]

@@ -1,9 +1,16 @@
-"""``mii-server``: serve a model in the foreground, generate from, inspect and stop deployments.
+"""``mii-server``: serve a model in the foreground, run one role of a deployment on its own, generate
+from, inspect and stop deployments.
 
 mii-server serve [MODEL] [--replica-num N] [--port P] [--rest] [--openai-port 8000] ...   # Ctrl-C tears down
+mii-server replica [MODEL] --config FILE --host H --port P --metrics-port M --tensor-parallel T
+mii-server load-balancer --config FILE --host H --port P --replicas dns:///NAME:PORT
+mii-server gateway --config FILE --host H --load-balancer HOST:PORT [--rest-port P] [--openai-port P]
 mii-server generate "DeepSpeed is" --max-new-tokens 32 [--stream]
 mii-server status [NAME]
 mii-server stop NAME
+
+The flags of serve() kwargs and of the roles' layouts are derived from the config models' fields
+(``config_flags``): every flag's default and help is its field's.
 """
 
 from __future__ import annotations
@@ -11,50 +18,37 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
-from .errors import MIIServerError
+from .config import ModelConfig
+from .config_flags import add_field_flags, deep_merge, given
+from .errors import InvalidRequest, MIIServerError
+from .serving.control.deployment import DeploymentConfig
+from .serving.control.roles import GatewayRole, LoadBalancerRole, ReplicaRole
+
+# namespaces of the derived flags
+MODEL, DEPLOYMENT, ROLE = "model", "deployment", "role"
+# the serve flags that predate the derived ones keep working beside them
+SERVE_ALIASES = {
+    "port_number": ["--port"],
+    "enable_restful_api": ["--rest"],
+    "restful_api_port": ["--rest-port"],
+    "restful_api_host": ["--rest-host"],
+    "openai_api_port": ["--openai-port"],
+    "openai_api_host": ["--openai-host"],
+    "enable_metrics": ["--metrics"],  # and so --no-metrics
+    "registry_dir": ["--registry"],
+}
 
 
 def _serve(args: argparse.Namespace) -> int:
     from .serving.control import registry
     from .serving.control.api import prepare
-    from .serving.control.deployment import DeploymentConfig
     from .serving.control.supervisor import Supervisor
     from .serving.log_format import setup_logging
 
-    kwargs: dict[str, Any] = {
-        "replica_num": args.replica_num,
-        "tensor_parallel": args.tensor_parallel,
-        "port_number": args.port,
-        "host": args.host,
-        "enable_restful_api": args.rest,
-        "restful_api_port": args.rest_port,
-        "restful_api_host": args.rest_host,
-        "enable_openai_api": args.openai_port is not None,
-        "openai_api_host": args.openai_host,
-        "dtype": args.dtype,
-        "device": args.device,
-    }
-    if args.deployment_name:
-        kwargs["deployment_name"] = args.deployment_name
-    if args.max_length is not None:
-        kwargs["max_length"] = args.max_length
-    if args.device_map is not None:
-        kwargs["device_map"] = json.loads(args.device_map)
-    if args.registry:
-        kwargs["registry_dir"] = args.registry
-    if args.openai_port is not None:
-        kwargs["openai_api_port"] = args.openai_port
-    if args.served_model_name:
-        kwargs["served_model_name"] = args.served_model_name
-    if args.api_key_file:
-        kwargs["api_key_file"] = args.api_key_file
-    if args.metrics_port is not None:
-        kwargs["metrics_port"] = args.metrics_port
-    if args.no_metrics:
-        kwargs["enable_metrics"] = False
-    config = prepare(DeploymentConfig.from_kwargs(args.model, **kwargs))
+    config = prepare(deployment_config(args))
     setup_logging("supervisor")
     print(
         f"serving {config.model.model_name_or_path or 'the built-in demo model'} as {config.deployment_name}: "
@@ -70,6 +64,66 @@ def _serve(args: argparse.Namespace) -> int:
         registry.remove(config.deployment_name, config.registry_dir)
         print(f"error: {record.error if record else 'start-up failed'}", file=sys.stderr)
     return code
+
+
+def _run_role(role_name: str, runner: str, args: argparse.Namespace) -> int:
+    """Run one role in this process (as a pod runs it): its config from the flags, then its entry."""
+    import importlib
+
+    from .launch.process import raise_open_file_limit
+    from .serving.log_format import setup_logging
+
+    role = role_config(args)
+    setup_logging(role_name)
+    raise_open_file_limit()
+    module, _, function = runner.rpartition(".")
+    return getattr(importlib.import_module(module, __package__), function)(role)
+
+
+def _replica(args: argparse.Namespace) -> int:
+    return _run_role("replica", ".replica.main.run_replica", args)
+
+
+def _load_balancer(args: argparse.Namespace) -> int:
+    return _run_role("load-balancer", ".serving.routing.main.run_load_balancer", args)
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    return _run_role("gateway", ".serving.frontends.gateway.run_gateway", args)
+
+
+def deployment_config(args: argparse.Namespace) -> DeploymentConfig:
+    """The ``DeploymentConfig`` of parsed arguments: ``--config FILE`` (serve() kwargs) with the model
+    and deployment flags on top; the positional MODEL, when given, wins over the file's."""
+    from .config import merge_mii_config_dicts
+
+    kwargs = _read_config_file(args.config)
+    path, flat = merge_mii_config_dicts(str(kwargs.pop("model_name_or_path", "") or ""), kwargs)
+    flags = given(args, DEPLOYMENT)
+    if "openai_api_port" in flags:  # naming the OpenAI port starts that server (as --openai-port always did)
+        flags.setdefault("enable_openai_api", True)
+    flat = deep_merge(deep_merge(flat, given(args, MODEL)), flags)
+    return DeploymentConfig.from_kwargs(getattr(args, "model", "") or path, **flat)
+
+
+def role_config(args: argparse.Namespace) -> ReplicaRole | LoadBalancerRole | GatewayRole:
+    """The role config of a role subcommand's parsed arguments: the deployment config, then the layout flags."""
+    return args.role.standalone(deployment_config(args), **given(args, ROLE))
+
+
+def _read_config_file(path: str) -> dict[str, Any]:
+    if not path:
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as err:
+        raise InvalidRequest(f"--config {path}: {err.strerror or err}") from None
+    except ValueError as err:
+        raise InvalidRequest(f"--config {path} is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest(f"--config {path} must hold a JSON object of serve() kwargs, not {type(data).__name__}")
+    return data
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -144,6 +198,41 @@ def _stop(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_model_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model", nargs="?", default="", help="checkpoint dir or HF hub id; omit for the demo model"
+    )
+
+
+def _add_config_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config",
+        default="",
+        metavar="FILE",
+        help="JSON object of serve() kwargs (DeploymentConfig and ModelConfig fields, or MII's nested "
+        "model_config); flags override it",
+    )
+
+
+def _add_role_command(
+    sub: argparse._SubParsersAction,
+    name: str,
+    role: type[ReplicaRole | LoadBalancerRole | GatewayRole],
+    func: Callable[[argparse.Namespace], int],
+    **text: str,
+) -> None:
+    """``mii-server NAME``: one role on its own; its layout flags from ``role``'s FLAG fields, plus the
+    model's flags (and the MODEL argument) for a replica."""
+    p = sub.add_parser(name, **text)
+    if role is ReplicaRole:
+        _add_model_argument(p)
+    _add_config_flag(p)
+    add_field_flags(p.add_argument_group("layout"), role, ROLE, fields=role.flag_fields())
+    if role is ReplicaRole:
+        add_field_flags(p.add_argument_group("model (serve() kwargs)"), ModelConfig, MODEL, skip={"model_name_or_path"})
+    p.set_defaults(func=func, role=role)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mii-server",
@@ -154,55 +243,47 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "serve",
         help="serve a model in the foreground (Ctrl-C stops it)",
-        description="Start a deployment (replicas, load balancer, optional REST gateway) and supervise it "
-        "in the foreground until Ctrl-C or `mii-server stop NAME`.",
+        description="Start a deployment (replicas, load balancer, optional REST gateway and OpenAI server) and "
+        "supervise it in the foreground until Ctrl-C or `mii-server stop NAME`. Every serve() kwarg is a flag.",
     )
-    p.add_argument(
-        "model", nargs="?", default="", help="checkpoint dir or HF hub id; omit for the demo model"
+    _add_model_argument(p)
+    _add_config_flag(p)
+    add_field_flags(
+        p.add_argument_group("deployment (serve() kwargs)"), DeploymentConfig, DEPLOYMENT, skip={"model"}, aliases=SERVE_ALIASES
     )
-    p.add_argument("--deployment-name", default="", help="registry name (default '<model>-mii-deployment')")
-    p.add_argument("--replica-num", type=int, default=1, help="model replicas (default 1)")
-    p.add_argument("--tensor-parallel", type=int, default=1, help="ranks per replica (default 1)")
-    p.add_argument("--host", default="127.0.0.1", help="gRPC bind address (default 127.0.0.1)")
-    p.add_argument(
-        "--port", type=int, default=50050, help="load balancer port; replicas follow (default 50050)"
-    )
-    p.add_argument("--rest", action="store_true", help="also start the REST gateway")
-    p.add_argument("--rest-port", type=int, default=28080, help="REST gateway port (default 28080)")
-    p.add_argument("--rest-host", default="127.0.0.1", help="REST gateway bind address (default 127.0.0.1)")
-    p.add_argument(
-        "--openai-port",
-        type=int,
-        default=None,
-        help="also start the OpenAI-compatible server on this port (/v1/completions, /v1/chat/completions)",
-    )
-    p.add_argument(
-        "--openai-host", default="127.0.0.1", help="OpenAI server bind address (default 127.0.0.1)"
-    )
-    p.add_argument("--served-model-name", default="", help="model id of the OpenAI API (default: MODEL)")
-    p.add_argument(
-        "--api-key-file",
-        default="",
-        help="file of API keys (one per line) the HTTP servers require; or set $MII_SERVER_API_KEY "
-        "(never pass a key on the command line)",
-    )
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="replica i serves /metrics on this port + i (default: right after the replicas' gRPC ports)",
-    )
-    p.add_argument("--no-metrics", action="store_true", help="no /metrics HTTP port on the replicas")
-    p.add_argument(
-        "--max-length", type=int, default=None, help="default prompt+output token limit per request"
-    )
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--device-map", default=None, help='GPUs per replica as JSON, e.g. "[[0],[1]]"')
-    p.add_argument(
-        "--registry", default="", help="registry directory (default $MII_SERVER_REGISTRY or per-user)"
-    )
+    add_field_flags(p.add_argument_group("model (serve() kwargs)"), ModelConfig, MODEL, skip={"model_name_or_path"})
     p.set_defaults(func=_serve)
+
+    _add_role_command(
+        sub,
+        "replica",
+        ReplicaRole,
+        _replica,
+        help="run one model replica on its own (as a Kubernetes pod runs it)",
+        description="One replica: its gRPC server (health 'mii_server.wire.Generation' SERVING once the model "
+        "has loaded, '' while the process serves) and Prometheus /metrics and /health on --metrics-port. "
+        "Rank 0 starts the other --tensor-parallel ranks itself. SIGTERM drains and exits 0.",
+    )
+    _add_role_command(
+        sub,
+        "load-balancer",
+        LoadBalancerRole,
+        _load_balancer,
+        help="run the load balancer on its own, over replicas by address or by DNS name",
+        description="The gRPC load balancer (no torch, no GPU): per-prompt round robin over the replicas whose "
+        "health is SERVING, retrying a prompt a replica refused before its first token. dns:///NAME:PORT is "
+        "re-resolved while running (resolve_interval_s), so replicas that come and go are followed.",
+    )
+    _add_role_command(
+        sub,
+        "gateway",
+        GatewayRole,
+        _gateway,
+        help="run the REST gateway and/or the OpenAI server in front of a load balancer",
+        description="HTTP front ends (no torch) calling the load balancer at --load-balancer: --rest-port "
+        "starts the REST gateway, --openai-port the OpenAI-compatible server (give one or both). API keys "
+        "come from $MII_SERVER_API_KEY or the config's api_key_file, never from a flag.",
+    )
 
     p = sub.add_parser(
         "generate",

@@ -60,12 +60,18 @@ def _status(serving: bool) -> int:
 
 
 async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool) -> None:
+    """Both the process ("") and the model service (``SERVICE_NAME``)."""
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, _status(serving))
 
 
+async def set_service_serving(health_servicer: health.aio.HealthServicer, service: str, serving: bool) -> None:
+    """One service name: "" is the process itself (liveness), ``SERVICE_NAME`` what it serves (readiness)."""
+    await health_servicer.set(service, _status(serving))
+
+
 async def set_all_replicas_serving(health_servicer: health.aio.HealthServicer, serving: bool) -> None:
-    await health_servicer.set(ALL_REPLICAS_SERVICE, _status(serving))
+    await set_service_serving(health_servicer, ALL_REPLICAS_SERVICE, serving)
 
 
 def channel(address: str) -> grpc.Channel:

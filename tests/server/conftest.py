@@ -7,6 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from mii_server.serving.frontends.loop_thread import LoopThread
+
 
 @pytest.fixture(scope="module")
 def registry_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
@@ -19,3 +21,11 @@ def registry_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         os.environ.pop("MII_SERVER_REGISTRY", None)
     else:
         os.environ["MII_SERVER_REGISTRY"] = old
+
+
+@pytest.fixture()
+def bg() -> Iterator[LoopThread]:
+    """An event loop on a thread, for the in-process gRPC servers (fakes, a load balancer) of a test."""
+    loop = LoopThread()
+    yield loop
+    loop.close()

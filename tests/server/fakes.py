@@ -11,6 +11,7 @@ import grpc
 from mii_server.errors import CapacityExceeded, InvalidRequest
 from mii_server.generation.response import FinishReason, Response
 from mii_server.serving import grpc_common
+from mii_server.serving.routing.load_balancer import LoadBalancer
 from mii_server.serving.status import abort_rpc
 from mii_server.wire import convert, generation_pb2_grpc
 from mii_server.wire import generation_pb2 as pb
@@ -67,8 +68,16 @@ class FakeReplica(generation_pb2_grpc.GenerationServicer):
         return pb.TerminateReply()
 
 
-async def start_fake(name: str, port: int) -> tuple[FakeReplica, grpc.aio.Server]:
+async def start_fake(name: str, port: int, host: str = "127.0.0.1") -> tuple[FakeReplica, grpc.aio.Server]:
     fake = FakeReplica(name)
-    server, health = await grpc_common.start_server(fake, "127.0.0.1", port)
+    server, health = await grpc_common.start_server(fake, host, port)
     await grpc_common.set_serving(health, True)
     return fake, server
+
+
+async def start_balancer(addresses: list[str], port: int, replica_wait_s: float = 0.0):
+    """A load balancer over ``addresses`` serving on 127.0.0.1:``port`` (no health monitor: tests drive it)."""
+    balancer = LoadBalancer(addresses, replica_wait_s=replica_wait_s)
+    server, health = await grpc_common.start_server(balancer, "127.0.0.1", port)
+    await grpc_common.set_serving(health, True)
+    return balancer, server

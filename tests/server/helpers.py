@@ -62,7 +62,7 @@ def deployment_processes(name: str, registry_dir: str) -> list[int]:
 
     Both must match: another test run on this machine may serve a deployment of the same name.
     """
-    from mii_server.launch.spec import decode
+    from mii_server.launch.spec import RankSpec, decode
     from mii_server.serving.control.registry import pid_alive
 
     found = []
@@ -73,13 +73,15 @@ def deployment_processes(name: str, registry_dir: str) -> list[int]:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"mii_server.launch" not in argv or b"--config" not in argv:
+        if b"mii_server.launch" not in argv or b"--config" not in argv or b"--role" not in argv:
             continue
+        role = argv[argv.index(b"--role") + 1].decode()
         try:
-            spec = decode(argv[argv.index(b"--config") + 1].decode())
+            spec = decode(role, argv[argv.index(b"--config") + 1].decode())
         except ValueError:  # a process of another checkout, whose config this code does not know
             continue
-        same = spec.deployment.deployment_name == name and spec.deployment.registry_dir == registry_dir
+        owner = spec.replica if isinstance(spec, RankSpec) else spec.deployment  # a TP rank: its replica's
+        same = owner.deployment_name == name and owner.registry_dir == registry_dir
         if same and pid_alive(int(entry.name)):
             found.append(int(entry.name))
     return found

@@ -79,7 +79,7 @@ def test_launch_spec_travels_as_urlsafe_base64_json() -> None:
     spec = LaunchSpec(deployment=DeploymentConfig.from_kwargs("", replica_num=2), replica_index=1)
     text = encode(spec)
     assert set(text) <= set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_=")
-    assert decode(text) == spec
+    assert decode("replica", text) == spec
     argv = command("replica", spec)
     assert argv[1:5] == ["-m", "mii_server.launch", "--role", "replica"] and argv[5] == "--config"
 

@@ -9,35 +9,20 @@ import pytest
 
 from mii_server.errors import CapacityExceeded, InvalidRequest, ReplicaUnavailable
 from mii_server.generation.response import FinishReason
-from mii_server.serving import grpc_common
 from mii_server.serving.frontends.client import Client
 from mii_server.serving.frontends.loop_thread import LoopThread
 from mii_server.serving.routing.load_balancer import LoadBalancer
 from mii_server.wire import generation_pb2 as pb
 
-from .fakes import FakeReplica, start_fake
+from .fakes import FakeReplica, start_balancer, start_fake
 from .helpers import free_port_block, wait_for
-
-
-async def _start_balancer(addresses: list[str], port: int, replica_wait_s: float = 0.0):
-    balancer = LoadBalancer(addresses, replica_wait_s=replica_wait_s)
-    server, health = await grpc_common.start_server(balancer, "127.0.0.1", port)
-    await grpc_common.set_serving(health, True)
-    return balancer, server
-
-
-@pytest.fixture()
-def bg() -> Iterator[LoopThread]:
-    loop = LoopThread()
-    yield loop
-    loop.close()
 
 
 @pytest.fixture()
 def cluster(bg: LoopThread) -> Iterator[tuple[Client, LoadBalancer, list[FakeReplica], list]]:
     base = free_port_block(3)
     fakes, servers = zip(*(bg.run(start_fake(f"r{i}", base + 1 + i)) for i in range(2)), strict=True)
-    balancer, server = bg.run(_start_balancer([f"127.0.0.1:{base + 1}", f"127.0.0.1:{base + 2}"], base))
+    balancer, server = bg.run(start_balancer([f"127.0.0.1:{base + 1}", f"127.0.0.1:{base + 2}"], base))
     client = Client(f"127.0.0.1:{base}")
     yield client, balancer, list(fakes), list(servers)
     client.close()
@@ -77,7 +62,7 @@ def test_a_down_replica_is_skipped(cluster, bg) -> None:
     bg.run(servers[1].stop(0))
     out = client.generate([f"q{i}" for i in range(4)])  # the first call finds r1 down and retries on r0
     assert all(r.generated_text.endswith("@r0") for r in out)
-    assert not balancer.router.is_up(1)
+    assert not balancer.router.is_up(balancer.addresses[1])
     stream = list(client.generate_stream(["ab", "cd"]))
     assert {c.generated_text for c in stream} <= set("abcd@r0")
     health = client.stats()
@@ -162,19 +147,19 @@ def test_many_threads_share_one_client(cluster) -> None:
 def test_a_request_waits_for_a_restarting_replica(bg: LoopThread) -> None:
     base = free_port_block(2)
     _, server = bg.run(start_fake("r0", base + 1))
-    balancer, front = bg.run(_start_balancer([f"127.0.0.1:{base + 1}"], base, replica_wait_s=60.0))
+    balancer, front = bg.run(start_balancer([f"127.0.0.1:{base + 1}"], base, replica_wait_s=60.0))
     client = Client(f"127.0.0.1:{base}")
     try:
         bg.run(server.stop(0))  # the only replica dies
         result: dict[str, object] = {}
         waiting = threading.Thread(target=lambda: result.update(out=client.generate(["back?"])))
         waiting.start()
-        wait_for(lambda: not balancer.router.is_up(0), 30, "the request to find the replica down")
+        wait_for(lambda: not balancer.router.is_up(balancer.addresses[0]), 30, "the request to find the replica down")
         _, server = bg.run(start_fake("r0", base + 1))  # the supervisor restarted it
 
         def monitor_sees_it() -> bool:  # what the health monitor does every half second
             bg.run(balancer.probe_replicas())
-            return balancer.router.is_up(0)
+            return balancer.router.is_up(balancer.addresses[0])
 
         wait_for(monitor_sees_it, 30, "the restarted replica to answer health")
         waiting.join(timeout=60)

@@ -115,6 +115,20 @@ class DeploymentConfig(BaseModel):
         ge=0,
         description="Times the supervisor restarts one child that died before giving up on it.",
     )
+    stop_grace_s: float | None = Field(
+        default=None,
+        ge=0,
+        description="Seconds a process asked to stop (SIGTERM, Terminate) gives the requests and streams it "
+        "carries to finish before it cuts them; None sets no limit of its own (the supervisor's teardown "
+        "or Kubernetes' terminationGracePeriodSeconds bounds it). A second SIGTERM cuts at once.",
+    )
+    resolve_interval_s: float = Field(
+        default=2.0,
+        gt=0,
+        le=60,
+        description="Seconds between the load balancer's re-resolutions of dns:///NAME:PORT replica addresses "
+        "(keep it well under the replicas' preStop sleep, so a leaving replica is dropped before it stops).",
+    )
 
     @field_validator("device_map", mode="before")
     @classmethod

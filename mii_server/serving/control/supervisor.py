@@ -153,8 +153,8 @@ class Supervisor:
     def _answers(self, child: Child, channel) -> bool:
         if child.role == "load-balancer":  # ready once it routes to every replica, not just one
             return grpc_common.is_serving(channel, timeout=1.0, service=grpc_common.ALL_REPLICAS_SERVICE)
-        if channel is not None:
-            return grpc_common.is_serving(channel, timeout=1.0)
+        if channel is not None:  # a replica: ready once its model has loaded, not merely listening
+            return grpc_common.is_serving(channel, timeout=1.0, service=grpc_common.SERVICE_NAME)
         cfg = self.config
         if child.role == "openai-server":
             url = f"http://{cfg.openai_api_host}:{cfg.openai_api_port}/healthz"

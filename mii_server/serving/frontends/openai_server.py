@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ...errors import MIIServerError
 from ...wire.types import StreamChunk
-from ..control.deployment import DeploymentConfig
+from ..control.roles import GatewayRole
 from ..metrics import EngineStatsCollector, HttpMetrics, exposition
 from .client import Client
 from .http_common import (
@@ -65,7 +66,6 @@ from .openai_protocol import (
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-STOP_GRACE_S = 5.0
 
 
 class ClientGone(Exception):
@@ -336,12 +336,13 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return _error_response(err, _scope(request))
 
 
-def create_app(config: DeploymentConfig, client: Client, keys: ApiKeys, metrics: HttpMetrics | None = None) -> FastAPI:
-    """The ASGI app; ``client`` talks to the load balancer and is shared by every request."""
+def create_app(served_model: str, client: Client, keys: ApiKeys, metrics: HttpMetrics | None = None) -> FastAPI:
+    """The ASGI app for model id ``served_model``; ``client`` talks to the load balancer and is shared
+    by every request."""
     app = FastAPI(title="mii-server OpenAI-compatible API", openapi_url=None, docs_url=None, redoc_url=None)
     instrumentation = HttpInstrumentation(keys, metrics)
     instrumentation.metrics.registry.register(EngineStatsCollector(lambda: client.stats(timeout=HEALTH_TIMEOUT_S)))
-    app.state.server = OpenAIServer(client, config.served_model, int(time.time()), instrumentation)
+    app.state.server = OpenAIServer(client, served_model, int(time.time()), instrumentation)
     app.add_middleware(Instrumented, instrumentation=instrumentation)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_api_route("/healthz", healthz, methods=["GET"])
@@ -354,38 +355,61 @@ def create_app(config: DeploymentConfig, client: Client, keys: ApiKeys, metrics:
     return app
 
 
-def serve_openai_server(cfg: DeploymentConfig) -> int:
-    """Run the OpenAI-compatible server in this process until SIGTERM/SIGINT."""
-    import uvicorn  # why here: only this role needs it
+class OpenAIServerThread:
+    """The OpenAI server on uvicorn, on its own thread and event loop (``gateway.run_gateway`` drives it).
 
-    keys = ApiKeys.load(cfg.api_key_file)
+    Stopping: uvicorn closes its listening socket, closes idle connections, lets the requests in
+    progress (streams included) finish, then the thread ends.
+    """
 
-    async def main() -> None:
-        client = Client(cfg.lb_address, deployment_name=cfg.deployment_name)
-        server = uvicorn.Server(
+    name = "OpenAI server"
+
+    def __init__(self, role: GatewayRole) -> None:
+        import uvicorn  # why here: only this role needs it
+
+        assert role.openai_port is not None
+        keys = ApiKeys.load(role.api_key_file)
+        self._client = Client(role.load_balancer, deployment_name=role.deployment_name)
+        self._server = uvicorn.Server(
             uvicorn.Config(
-                create_app(cfg, client, keys),
-                host=cfg.openai_api_host,
-                port=cfg.openai_api_port,
+                create_app(role.served_model, self._client, keys),
+                host=role.host,
+                port=role.openai_port,
                 loop="asyncio",  # why not uvloop: grpc.aio shares this loop
                 lifespan="off",
                 log_config=None,
                 access_log=False,  # the instrumentation writes one line per request, with its id
                 backlog=4096,
-                timeout_graceful_shutdown=STOP_GRACE_S,
+                timeout_graceful_shutdown=role.stop_grace_s,
             )
         )
+        self._thread = threading.Thread(target=self._run, name="openai-server", daemon=True)
         log.info(
-            "OpenAI-compatible server on %s (model %r, %s) -> %s",
-            cfg.openai_url,
-            cfg.served_model,
-            "API key required" if keys.required else "no API key",
-            cfg.lb_address,
-        )
-        try:
-            await server.serve()
-        finally:
-            await client.aclose()
+            "OpenAI-compatible server on http://%s:%d/v1 (model %r, %s) -> %s",
+            role.host, role.openai_port, role.served_model,
+            "API key required" if keys.required else "no API key", role.load_balancer,
+        )  # fmt: skip
 
-    asyncio.run(main())
-    return 0
+    def _run(self) -> None:
+        asyncio.run(self._serve())
+
+    async def _serve(self) -> None:
+        try:
+            await self._server.serve()  # off the main thread, uvicorn leaves the signals to us
+        finally:
+            await self._client.aclose()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, forced: threading.Event) -> None:
+        """Ask uvicorn to stop (it drains within the role's ``stop_grace_s``; cut at ``forced``) and
+        return once the server thread has ended."""
+        self._server.should_exit = True
+        while self._thread.is_alive():
+            if forced.wait(0.1):
+                self._server.force_exit = True
+            self._thread.join(0.1)

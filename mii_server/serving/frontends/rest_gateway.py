@@ -11,7 +11,7 @@ while the process runs; ``GET /health`` 200 while a replica can serve (503 other
 is Prometheus. API keys and ``X-Request-Id`` work as in the OpenAI server (``http_common``).
 
 Concurrency: WSGI gives every in-flight request a thread, so waitress is sized from admission
-(``DeploymentConfig.rest_gateway_threads``): enough threads for every prompt the replicas would run
+(``GatewayRole.rest_threads``, from ``DeploymentConfig.rest_gateway_threads``): enough threads for every prompt the replicas would run
 or queue, so the gateway never holds back a request a replica could take, and past that the
 replicas refuse at once. The threads only wait: every upstream call runs on one shared event loop
 (``LoopThread``), and a request whose client disconnects (waitress keeps reading the socket and
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +32,7 @@ from flask import Flask, Response, current_app, g, request
 
 from ...errors import DeploymentNotFound, InvalidRequest, MIIServerError
 from ...wire.types import StreamChunk
-from ..control.deployment import DeploymentConfig
+from ..control.roles import GatewayRole
 from ..metrics import EngineStatsCollector, HttpMetrics, exposition
 from ..status import error_name_of, http_status_of
 from .client import Client
@@ -55,6 +55,7 @@ from .loop_thread import ClientGone, LoopThread
 log = logging.getLogger(__name__)
 
 THREAD_STACK_BYTES = 512 * 1024  # a waiting request thread needs little stack; thousands of them are cheap
+DRAIN_POLL_S = 0.05  # how often a stopping gateway checks whether its open requests are done
 
 
 @dataclass
@@ -240,41 +241,82 @@ def create_app(
     return app
 
 
-def serve_rest_gateway(cfg: DeploymentConfig) -> int:
-    """Run the gateway in this process until SIGTERM/SIGINT."""
-    import waitress  # why here: only this role needs it
+class RestGatewayServer:
+    """The gateway on waitress, served from its own thread (``gateway.run_gateway`` drives it).
 
-    threads = cfg.rest_gateway_threads
-    threading.stack_size(THREAD_STACK_BYTES)  # before waitress starts its threads
-    upstream = LoopThread()
-    client = Client(cfg.lb_address, deployment_name=cfg.deployment_name)
-    app = create_app(cfg.deployment_name, client, upstream, ApiKeys.load(cfg.api_key_file))
-    server = waitress.create_server(
-        app,
-        host=cfg.restful_api_host,
-        port=cfg.restful_api_port,
-        threads=threads,
-        connection_limit=threads + 64,  # waitress's default (100) would cap concurrency below admission
-        backlog=2048,
-        ident="mii-server",
-        channel_request_lookahead=1,  # keep reading the socket, so a client that leaves is seen at once
-    )
+    Stopping: the listening socket closes at once (new connections are refused), the requests in
+    progress (a stream included) finish and are flushed, idle keep-alive connections are closed,
+    then the thread ends.
+    """
 
-    def _stop(*_: object) -> None:
-        raise SystemExit(0)
+    name = "REST gateway"
 
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    log.info(
-        "REST gateway on http://%s:%d/mii/%s with %d threads -> %s",
-        cfg.restful_api_host, cfg.restful_api_port, cfg.deployment_name, threads, cfg.lb_address,
-    )  # fmt: skip
-    try:
-        server.run()
-    except SystemExit:
-        pass
-    finally:
-        server.close()
-        upstream.run(client.aclose(), timeout=5)
-        upstream.close()
-    return 0
+    def __init__(self, role: GatewayRole) -> None:
+        """Bind the port now (``OSError`` when taken); serving starts with ``start()``."""
+        import waitress  # why here: only this role needs it
+
+        assert role.rest_port is not None
+        threading.stack_size(THREAD_STACK_BYTES)  # before waitress starts its threads
+        self._upstream = LoopThread()
+        self._client = Client(role.load_balancer, deployment_name=role.deployment_name)
+        app = create_app(role.deployment_name, self._client, self._upstream, ApiKeys.load(role.api_key_file))
+        self._map: dict[int, Any] = {}  # waitress's socket map: the listener, the trigger, the connections
+        self._server = waitress.create_server(
+            app,
+            map=self._map,
+            host=role.host,
+            port=role.rest_port,
+            threads=role.rest_threads,
+            connection_limit=role.rest_threads + 64,  # waitress's default (100) would cap concurrency below admission
+            backlog=2048,
+            ident="mii-server",
+            channel_request_lookahead=1,  # keep reading the socket, so a client that leaves is seen at once
+        )
+        self._grace_s = role.stop_grace_s
+        self._thread = threading.Thread(target=self._run, name="rest-gateway", daemon=True)
+        log.info(
+            "REST gateway on http://%s:%d/mii/%s with %d threads -> %s",
+            role.host, role.rest_port, role.deployment_name, role.rest_threads, role.load_balancer,
+        )  # fmt: skip
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        try:
+            self._server.run()  # returns once the socket map is empty (``stop``)
+        finally:
+            self._server.task_dispatcher.shutdown()
+
+    def _busy(self) -> bool:
+        """A connection has a request in progress or bytes not yet sent."""
+        from waitress.channel import HTTPChannel
+
+        return any(
+            isinstance(c, HTTPChannel) and (c.requests or c.total_outbufs_len) for c in list(self._map.values())
+        )
+
+    def stop(self, forced: threading.Event) -> None:
+        """Stop listening, let open requests finish (within the role's ``stop_grace_s``, None: no
+        limit; until ``forced``), close every connection, and return once the server thread has ended."""
+        from waitress import wasyncore
+
+        if not self._thread.is_alive():  # it died on its own: nothing to drain
+            self._close_upstream()
+            return
+        # why thunks: the socket map belongs to the server thread; the trigger runs them there
+        self._server.trigger.pull_trigger(lambda: wasyncore.dispatcher.close(self._server))
+        deadline = None if self._grace_s is None else time.monotonic() + self._grace_s
+        while self._busy() and (deadline is None or time.monotonic() < deadline):
+            if forced.wait(DRAIN_POLL_S):
+                break
+        self._server.trigger.pull_trigger(lambda: wasyncore.close_all(self._map))
+        self._thread.join()
+        self._close_upstream()
+
+    def _close_upstream(self) -> None:
+        self._upstream.run(self._client.aclose(), timeout=5)
+        self._upstream.close()

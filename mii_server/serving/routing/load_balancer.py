@@ -5,6 +5,11 @@ pieces as the same RPC, and reassembles replies in prompt order; streams are mer
 A replica that fails with UNAVAILABLE before producing output is marked down and its prompts go to
 another one. Terminate fans out to every replica, then stops this process.
 
+The replica set is keyed by address and may change while requests flow (``set_replicas``, fed by
+``follow`` from DNS discovery): a new address gets a channel and joins the round robin; a dropped one
+takes no new prompts, and its channel stays open until the calls already on it end (its open streams
+finish), then closes.
+
 Every RPC is a task on one event loop, and every upstream call an awaitable on it: no thread is held
 per open stream. A caller that goes away cancels its task, which cancels the upstream calls, which
 abort the prompts on the replicas.
@@ -18,9 +23,11 @@ does not answer in time, so one frozen replica never stalls health.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -30,6 +37,7 @@ from ...wire import convert, generation_pb2_grpc
 from ...wire import generation_pb2 as pb
 from .. import grpc_common
 from ..status import abort_rpc, forward_rpc_error, is_retryable
+from .discovery import ReplicaDiscovery
 from .router import RoundRobinRouter, group_by_replica
 
 log = logging.getLogger(__name__)
@@ -42,28 +50,115 @@ TERMINATE_TIMEOUT_S = 30.0
 HealthListener = Callable[[bool, bool], Coroutine[Any, Any, None]]  # (any up, all up)
 
 
+@dataclass
+class ReplicaLink:
+    """One replica the balancer knows: its channel, its last stats, and how many calls use it."""
+
+    address: str
+    channel: grpc.aio.Channel
+    stub: generation_pb2_grpc.GenerationStub
+    last_stats: pb.ReplicaStats | None = None
+    calls: int = 0  # upstream calls in flight on the channel
+    dropped: bool = False  # no longer a member: close the channel once ``calls`` reaches 0
+
+
 class LoadBalancer(generation_pb2_grpc.GenerationServicer):
     """Servicer of the load balancer process (create it inside the running event loop: its channels
     belong to that loop). ``stop_requested`` is set by Terminate."""
 
-    def __init__(self, replica_addresses: list[str], replica_wait_s: float = 0.0) -> None:
+    def __init__(self, replica_addresses: Iterable[str] = (), replica_wait_s: float = 0.0) -> None:
         """``replica_wait_s``: how long a request whose every replica failed waits for one to come
-        back (a restart) before it fails with ReplicaUnavailable; 0 fails at once."""
-        self.addresses = list(replica_addresses)
+        back (a restart, or a new address) before it fails with ReplicaUnavailable; 0 fails at once."""
         self.replica_wait_s = replica_wait_s
-        self.router = RoundRobinRouter(len(self.addresses))
-        self._channels = [grpc_common.aio_channel(a) for a in self.addresses]
-        self._stubs = [generation_pb2_grpc.GenerationStub(ch) for ch in self._channels]
-        self._last_stats: list[pb.ReplicaStats | None] = [None] * len(self.addresses)
-        self._some_replica_up = asyncio.Event()  # set whenever the monitor sees a replica come up
+        self.router = RoundRobinRouter()
+        self._links: dict[str, ReplicaLink] = {}
+        self._closing: set[asyncio.Task] = set()  # channels of dropped replicas being closed
+        self._some_replica_up = asyncio.Event()  # set whenever a replica is seen up (or joins)
         self.stop_requested = asyncio.Event()
+        self.waiting_requests = 0  # requests waiting for a replica to come back (or to appear)
+        self.set_replicas(replica_addresses)
+
+    @property
+    def addresses(self) -> list[str]:
+        """The current replica set, in round-robin order."""
+        return self.router.members
+
+    # ---- membership ---------------------------------------------------------------------------
+    def set_replicas(self, addresses: Iterable[str]) -> tuple[list[str], list[str]]:
+        """Make ``addresses`` the replica set; returns (added, removed)."""
+        added, removed = self.router.update(addresses)
+        for address in added:
+            channel = grpc_common.aio_channel(address)
+            self._links[address] = ReplicaLink(address, channel, generation_pb2_grpc.GenerationStub(channel))
+        for address in removed:
+            link = self._links.pop(address)
+            link.dropped = True
+            if link.calls == 0:
+                self._close(link)
+        if added:
+            self._some_replica_up.set()  # new members start up: a waiting request may try them
+        if added or removed:
+            log.info(
+                "replicas now %s (added %s, dropped %s)",
+                ", ".join(self.addresses) or "none", ", ".join(added) or "none", ", ".join(removed) or "none",
+            )  # fmt: skip
+        return added, removed
+
+    async def follow(self, discovery: ReplicaDiscovery, interval_s: float) -> None:
+        """Re-resolve ``discovery`` every ``interval_s`` until stopped, adding and dropping replicas;
+        a replica that joins is health-checked at once."""
+        while not self.stop_requested.is_set():
+            try:
+                await asyncio.wait_for(self.stop_requested.wait(), interval_s)
+                return
+            except asyncio.TimeoutError:
+                pass
+            added, _ = self.set_replicas(await discovery.resolve())
+            await self._probe([self._links[a] for a in added if a in self._links])
+
+    def _close(self, link: ReplicaLink) -> None:
+        task = asyncio.ensure_future(link.channel.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    def _release(self, link: ReplicaLink) -> None:
+        link.calls -= 1
+        if link.dropped and link.calls == 0:
+            self._close(link)
+
+    @contextlib.contextmanager
+    def _using(self, link: ReplicaLink) -> Iterator[generation_pb2_grpc.GenerationStub]:
+        """Hold ``link``'s channel open around an inline call."""
+        link.calls += 1
+        try:
+            yield link.stub
+        finally:
+            self._release(link)
+
+    def _call(self, link: ReplicaLink, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        """Run ``coro`` (a call on ``link``) as a task that holds the channel open until it ends; the
+        count is taken now, before the task starts, and given back even if it is cancelled unstarted."""
+        link.calls += 1
+        task = asyncio.ensure_future(coro)
+        task.add_done_callback(lambda _: self._release(link))
+        return task
+
+    async def close(self) -> None:
+        for link in self._links.values():
+            await link.channel.close()
+        self._links.clear()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
 
     # ---- health -----------------------------------------------------------------------------
     async def probe_replicas(self) -> None:
         """Ask every replica's stats once (concurrently) and update the router and the cache."""
-        replies = await asyncio.gather(*(self._replica_stats(i) for i in range(len(self._stubs))))
-        for i, entry in enumerate(replies):
-            self._mark(i, entry is not None and entry.healthy)
+        await self._probe(list(self._links.values()))
+
+    async def _probe(self, links: list[ReplicaLink]) -> None:
+        replies = await asyncio.gather(*(self._call(link, self._replica_stats(link)) for link in links))
+        for link, entry in zip(links, replies, strict=True):
+            self._mark(link.address, entry is not None and entry.healthy)
 
     async def monitor(self, on_change: HealthListener, interval_s: float = HEALTH_INTERVAL_S) -> None:
         """Probe replicas until stopped; ``on_change(any_up, all_up)`` after each round."""
@@ -75,39 +170,38 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
             except asyncio.TimeoutError:
                 pass
 
-    async def _replica_stats(self, replica: int) -> pb.ReplicaStats | None:
-        """The replica's own stats entry (cached), or None when it does not answer within the deadline."""
+    async def _replica_stats(self, link: ReplicaLink) -> pb.ReplicaStats | None:
+        """The replica's own stats entry (cached), or None when it does not answer within the deadline
+        (run it through ``_call``)."""
         try:
-            reply = await self._stubs[replica].Stats(pb.StatsRequest(), timeout=STATS_TIMEOUT_S)
+            reply = await link.stub.Stats(pb.StatsRequest(), timeout=STATS_TIMEOUT_S)
         except grpc.RpcError:
             return None
         entry = reply.replicas[0] if reply.replicas else pb.ReplicaStats()
-        self._last_stats[replica] = entry
+        link.last_stats = entry
         return entry
 
-    def _mark(self, replica: int, up: bool) -> None:
-        self.router.mark(replica, up)
+    def _mark(self, address: str, up: bool) -> None:
+        self.router.mark(address, up)
         if self.router.any_up():
             self._some_replica_up.set()
         else:
             self._some_replica_up.clear()
 
-    async def close(self) -> None:
-        for ch in self._channels:
-            await ch.close()
-
-    async def _assign(self, count: int, failed: set[int]) -> list[int]:
+    async def _assign(self, count: int, failed: set[str]) -> list[ReplicaLink]:
         """``router.assign``; when every replica has failed this request, wait for the health monitor
-        to see one come back (a restarted replica) and try them all again, up to ``replica_wait_s``."""
+        to see one come back (a restarted replica, a new address) and try them all again, up to
+        ``replica_wait_s``. Returns the links at once (no await between choosing and using them)."""
         deadline = time.monotonic() + self.replica_wait_s
         while True:
             try:
-                return self.router.assign(count, exclude=failed)
+                return [self._links[a] for a in self.router.assign(count, exclude=failed)]
             except ReplicaUnavailable:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise
                 self._some_replica_up.clear()  # why: wait for a fresh sighting, not a stale flag
+                self.waiting_requests += 1
                 try:
                     await asyncio.wait_for(self._some_replica_up.wait(), left)
                 except asyncio.TimeoutError:
@@ -115,34 +209,40 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
                         f"no replica can take the request: every replica is down, and none came back "
                         f"within {self.replica_wait_s:.0f}s"
                     ) from None
+                finally:
+                    self.waiting_requests -= 1
                 log.info("a replica is back; retrying a request that found every replica down")
                 failed.clear()
 
-    def _failed_over(self, replica: int, err: grpc.RpcError, failed: set[int]) -> None:
-        log.warning("replica %d unavailable (%s); retrying its prompts elsewhere", replica, err.details())
-        self._mark(replica, False)
-        failed.add(replica)
+    def _failed_over(self, address: str, err: grpc.RpcError, failed: set[str]) -> None:
+        log.warning("replica %s unavailable (%s); retrying its prompts elsewhere", address, err.details())
+        self._mark(address, False)
+        failed.add(address)
 
     # ---- RPCs -------------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateReply:
         log.debug("request_id=%s Generate prompts=%d", request.request_id or "-", len(request.prompts))
         results: list[pb.Completion | None] = [None] * len(request.prompts)
         pending = list(range(len(request.prompts)))
-        failed: set[int] = set()
+        failed: set[str] = set()
         while pending:
             try:
-                groups = group_by_replica(pending, await self._assign(len(pending), failed))
+                links = await self._assign(len(pending), failed)
             except MIIServerError as exc:  # ReplicaUnavailable: every replica failed
                 await abort_rpc(context, exc)
-            tasks = [asyncio.ensure_future(self._generate_on(r, idx, request)) for r, idx in groups.items()]
+            by_address = {link.address: link for link in links}
+            groups = group_by_replica(pending, [link.address for link in links])
+            tasks = [
+                self._call(by_address[a], self._generate_on(by_address[a], idx, request)) for a, idx in groups.items()
+            ]
             pending = []
             try:
                 for done in asyncio.as_completed(tasks):
-                    replica, indices, outcome = await done
+                    address, indices, outcome = await done
                     if isinstance(outcome, grpc.RpcError):
                         if not is_retryable(outcome):
                             await forward_rpc_error(context, outcome)
-                        self._failed_over(replica, outcome, failed)
+                        self._failed_over(address, outcome, failed)
                         pending.extend(indices)
                         continue
                     for completion in outcome.completions:
@@ -154,12 +254,12 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
         return pb.GenerateReply(completions=results)
 
     async def _generate_on(
-        self, replica: int, indices: list[int], request: pb.GenerateRequest
-    ) -> tuple[int, list[int], pb.GenerateReply | grpc.RpcError]:
+        self, link: ReplicaLink, indices: list[int], request: pb.GenerateRequest
+    ) -> tuple[str, list[int], pb.GenerateReply | grpc.RpcError]:
         try:
-            return replica, indices, await self._stubs[replica].Generate(_sub_request(request, indices))
+            return link.address, indices, await link.stub.Generate(_sub_request(request, indices))
         except grpc.RpcError as err:
-            return replica, indices, err
+            return link.address, indices, err
 
     async def GenerateStream(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -167,12 +267,15 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
         log.debug("request_id=%s GenerateStream prompts=%d", request.request_id or "-", len(request.prompts))
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         pumps: list[asyncio.Task] = []
-        failed: set[int] = set()
+        failed: set[str] = set()
 
         async def start(indices: list[int]) -> int:
-            groups = group_by_replica(indices, await self._assign(len(indices), failed))
-            for replica, idx in groups.items():
-                pumps.append(asyncio.ensure_future(self._pump(replica, idx, request, events)))
+            links = await self._assign(len(indices), failed)
+            by_address = {link.address: link for link in links}
+            groups = group_by_replica(indices, [link.address for link in links])
+            for address, idx in groups.items():
+                link = by_address[address]
+                pumps.append(self._call(link, self._pump(link, idx, request, events)))
             return len(groups)
 
         try:
@@ -188,8 +291,8 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
                     elif kind == "done":
                         active -= 1
                     elif kind == "retry":
-                        replica, indices, err = payload
-                        self._failed_over(replica, err, failed)
+                        address, indices, err = payload
+                        self._failed_over(address, err, failed)
                         active += await start(indices) - 1
                     else:  # "error"
                         await forward_rpc_error(context, payload)
@@ -202,10 +305,10 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
                 pump.cancel()  # no-op once finished; stops upstream when our caller left or failed
 
     async def _pump(
-        self, replica: int, indices: list[int], request: pb.GenerateRequest, events: asyncio.Queue
+        self, link: ReplicaLink, indices: list[int], request: pb.GenerateRequest, events: asyncio.Queue
     ) -> None:
         """Forward one replica's stream into ``events`` with prompt indices mapped back."""
-        call = self._stubs[replica].GenerateStream(_sub_request(request, indices))
+        call = link.stub.GenerateStream(_sub_request(request, indices))
         produced = False
         try:
             async for chunk in call:
@@ -214,7 +317,7 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
                 events.put_nowait(("chunk", chunk))
         except grpc.RpcError as err:
             if not produced and is_retryable(err):
-                events.put_nowait(("retry", (replica, indices, err)))
+                events.put_nowait(("retry", (link.address, indices, err)))
             else:
                 events.put_nowait(("error", err))
             return
@@ -223,19 +326,20 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
         events.put_nowait(("done", None))
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsReply:
-        fresh = await asyncio.gather(*(self._replica_stats(i) for i in range(len(self._stubs))))
+        links = list(self._links.values())
+        fresh = await asyncio.gather(*(self._call(link, self._replica_stats(link)) for link in links))
         reply = pb.StatsReply()
-        for i, entry in enumerate(fresh):
+        for i, (link, entry) in enumerate(zip(links, fresh, strict=True)):
             answered = entry is not None
             if entry is None:  # silent now: report what it last said, as not healthy
-                entry = self._last_stats[i] or pb.ReplicaStats()
+                entry = link.last_stats or pb.ReplicaStats()
             out = pb.ReplicaStats()
             out.CopyFrom(entry)
             # healthy = the replica has its engine, answers now, AND this balancer routes to it
-            out.healthy = answered and entry.healthy and self.router.is_up(i)
+            out.healthy = answered and entry.healthy and self.router.is_up(link.address)
             out.replica_index = i
-            out.address = self.addresses[i]
-            out.prompts_routed = self.router.routed(i)
+            out.address = link.address
+            out.prompts_routed = self.router.routed(link.address)
             reply.replicas.append(out)
         return reply
 
@@ -243,25 +347,28 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
         self, request: pb.ChatTemplateRequest, context: grpc.aio.ServicerContext
     ) -> pb.ChatTemplateReply:
         """Any one replica renders (they all hold the same tokenizer); UNAVAILABLE ones are skipped."""
-        failed: set[int] = set()
+        failed: set[str] = set()
         while True:
             try:
-                (replica,) = await self._assign(1, failed)
+                (link,) = await self._assign(1, failed)
             except MIIServerError as exc:
                 await abort_rpc(context, exc)
-            try:
-                return await self._stubs[replica].ApplyChatTemplate(request, timeout=CHAT_TEMPLATE_TIMEOUT_S)
-            except grpc.RpcError as err:
-                if not is_retryable(err):
-                    await forward_rpc_error(context, err)
-                self._failed_over(replica, err, failed)
+            with self._using(link) as stub:
+                try:
+                    return await stub.ApplyChatTemplate(request, timeout=CHAT_TEMPLATE_TIMEOUT_S)
+                except grpc.RpcError as err:
+                    if not is_retryable(err):
+                        await forward_rpc_error(context, err)
+                    self._failed_over(link.address, err, failed)
 
     async def Terminate(
         self, request: pb.TerminateRequest, context: grpc.aio.ServicerContext
     ) -> pb.TerminateReply:
-        log.info("terminate: fanning out to %d replicas", len(self._stubs))
+        links = list(self._links.values())
+        log.info("terminate: fanning out to %d replicas", len(links))
+
         replies = await asyncio.gather(
-            *(stub.Terminate(pb.TerminateRequest(), timeout=TERMINATE_TIMEOUT_S) for stub in self._stubs),
+            *(self._call(link, link.stub.Terminate(pb.TerminateRequest(), timeout=TERMINATE_TIMEOUT_S)) for link in links),
             return_exceptions=True,
         )
         for reply in replies:
