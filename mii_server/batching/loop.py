@@ -31,6 +31,10 @@ from .step import fed_back_placeholder
 
 log = logging.getLogger(__name__)
 
+# A token covers at most this many characters in any tokenizer we serve (long whitespace runs included):
+# longer prompts cannot fit the context and are refused before tokenisation.
+MAX_CHARS_PER_TOKEN = 64
+
 
 class _HostCopy:
     """Sampled ids on their way to the host: the copy is queued behind the forward and waited for
@@ -103,7 +107,8 @@ class GenerationLoop:
         self._token_texts: dict[int, str] = {}  # token id -> its text alone (log-probabilities)
         self._uids = itertools.count()
         self._seed = seed
-        self._lock = threading.Lock()  # guards the inbox, the abort list and the tokenizer
+        self._lock = threading.Lock()  # guards the inbox and the abort list
+        self._tokenizer_lock = threading.Lock()  # encodes (a fast tokenizer's settings are not thread-safe)
         self._inbox: list[Request] = []
         self._aborts: list[int] = []
         self._live: dict[int, Request] = {}  # touched by the stepping thread only
@@ -120,8 +125,14 @@ class GenerationLoop:
         ``stream``: updates carry text as it is generated; otherwise (and unless stop strings must be
         watched) the text is decoded once, into the final update.
         """
-        with self._lock:
-            uid = next(self._uids)
+        if isinstance(prompt, str) and len(prompt) > self.context_length * MAX_CHARS_PER_TOKEN:
+            # why before tokenising: a 10 MB prompt takes seconds to tokenise and can never fit
+            raise InvalidRequest(
+                f"the prompt has {len(prompt)} characters; no prompt of more than "
+                f"{self.context_length * MAX_CHARS_PER_TOKEN} fits this model's {self.context_length}-token context"
+            )
+        uid = next(self._uids)  # itertools.count: atomic under the GIL
+        with self._tokenizer_lock:  # not the loop's lock: the batching thread never waits on a tokenisation
             if isinstance(prompt, str):
                 ids = self.tokenizer.encode(prompt)
                 text = prompt

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +42,7 @@ class EngineDriver:
         self._after_step = after_step
         self._stopping = threading.Event()
         self._failure: Exception | None = None
+        self._step_started: float | None = None  # monotonic start of the step running now
         self._thread = threading.Thread(target=self._run, name="batching-loop", daemon=True)
         self._thread.start()
 
@@ -72,6 +74,12 @@ class EngineDriver:
         return self.loop.stats()
 
     @property
+    def busy_step_s(self) -> float:
+        """How long the step running now has run (0 between steps): what a hung engine shows."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self._failure is None
 
@@ -93,7 +101,9 @@ class EngineDriver:
                 if not self.loop.has_work():
                     self.loop.executor.idle()
                 while self.loop.has_work() and not self._stopping.is_set():
+                    self._step_started = time.monotonic()
                     self.loop.step()
+                    self._step_started = None
                     self._after_step()
             self.loop.fail_all(EngineDead("the engine was shut down"))
         except Exception as err:  # the loop itself broke: nothing more can run

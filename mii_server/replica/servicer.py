@@ -131,6 +131,7 @@ class ReplicaServicer(generation_pb2_grpc.GenerationServicer):
             healthy=self.health()[0],  # loaded, its batching loop alive, not stopping
             pid=os.getpid(),
             prompts_received=self._received,
+            busy_step_s=self._driver.busy_step_s if self._driver is not None else 0.0,
         )
 
     async def _serving_driver(self, context: grpc.aio.ServicerContext) -> EngineDriver:

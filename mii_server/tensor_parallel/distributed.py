@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -41,11 +42,28 @@ def init_tensor_parallel(
 
 def open_store(host: str, rank: int, world_size: int, port: int = 0, timeout_s: float = 600.0) -> dist.TCPStore:
     """Rank 0 opens the rendezvous store (port 0: the OS picks a free one, read back from ``.port``);
-    the other ranks connect to rank 0's port."""
+    the other ranks connect to rank 0's port.
+
+    why rank 0 binds the socket itself: torch's TCPStore listens on every interface whatever host it
+    is given; a socket bound to ``host`` and handed over (the store then owns it) keeps the store on
+    the address the deployment promised (loopback by default).
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.bind((host, port))
+        listener.listen(max(16, world_size))
+    except OSError:
+        listener.close()
+        raise
+    bound = listener.getsockname()[1]
     return dist.TCPStore(
-        host, port, world_size, is_master=rank == 0, timeout=datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )
+        host, bound, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+        master_listen_fd=listener.detach(), use_libuv=False,  # libuv's backend cannot take a socket
+    )  # fmt: skip
 
 
 def torchrun_rank() -> tuple[int, int, int] | None:

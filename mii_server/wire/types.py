@@ -45,3 +45,4 @@ class ReplicaStats(EngineStats):
     pid: int = 0  # process id of the replica's rank 0
     prompts_received: int = 0  # prompts this replica process accepted since it started
     prompts_routed: int = 0  # prompts the load balancer sent to this replica slot, across restarts
+    busy_step_s: float = 0.0  # seconds the engine's current step has been running; 0 between steps

@@ -19,13 +19,20 @@ from mii_server.wire import generation_pb2 as pb
 
 class FakeReplica(generation_pb2_grpc.GenerationServicer):
     """Generate: '<prompt>@<name>'; stream: one chunk per character of that. 'bad' -> InvalidRequest,
-    'full' -> CapacityExceeded; max_new_tokens=999 streams until cancelled."""
+    'full' -> CapacityExceeded; max_new_tokens=999 streams until cancelled; 'slow...' streams a chunk
+    each 50 ms. ``frozen``: every answer and
+    every chunk waits while it is set (what a SIGSTOPped replica looks like from outside)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.prompts: list[str] = []
         self.terminated = asyncio.Event()
         self.cancelled = asyncio.Event()
+        self.frozen = False
+
+    async def _unless_frozen(self) -> None:
+        while self.frozen:
+            await asyncio.sleep(0.02)
 
     async def _text(self, prompt: str, context: grpc.aio.ServicerContext) -> str:
         if prompt == "bad":
@@ -36,6 +43,7 @@ class FakeReplica(generation_pb2_grpc.GenerationServicer):
         return f"{prompt}@{self.name}"
 
     async def Generate(self, request, context):
+        await self._unless_frozen()
         out = []
         for i, prompt in enumerate(request.prompts):
             text = await self._text(prompt, context)
@@ -58,9 +66,13 @@ class FakeReplica(generation_pb2_grpc.GenerationServicer):
                 if step < len(text):
                     done = step == len(text) - 1
                     reason = FinishReason.STOP if done else FinishReason.NONE
+                    await self._unless_frozen()
+                    if text.startswith("slow"):
+                        await asyncio.sleep(0.05)
                     yield convert.completion_to_proto(Response(text[step], 1, step + 1, reason), i)
 
     async def Stats(self, request, context):
+        await self._unless_frozen()
         return pb.StatsReply(replicas=[pb.ReplicaStats(healthy=True, pid=1, prompts_received=len(self.prompts))])
 
     async def Terminate(self, request, context):
@@ -75,9 +87,9 @@ async def start_fake(name: str, port: int, host: str = "127.0.0.1") -> tuple[Fak
     return fake, server
 
 
-async def start_balancer(addresses: list[str], port: int, replica_wait_s: float = 0.0):
+async def start_balancer(addresses: list[str], port: int, replica_wait_s: float = 0.0, stall_timeout_s: float = 20.0):
     """A load balancer over ``addresses`` serving on 127.0.0.1:``port`` (no health monitor: tests drive it)."""
-    balancer = LoadBalancer(addresses, replica_wait_s=replica_wait_s)
+    balancer = LoadBalancer(addresses, replica_wait_s=replica_wait_s, stall_timeout_s=stall_timeout_s)
     server, health = await grpc_common.start_server(balancer, "127.0.0.1", port)
     await grpc_common.set_serving(health, True)
     return balancer, server

@@ -85,3 +85,40 @@ def deployment_processes(name: str, registry_dir: str) -> list[int]:
         if same and pid_alive(int(entry.name)):
             found.append(int(entry.name))
     return found
+
+
+def listening_addresses(pids: list[int]) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket the processes ``pids`` listen on (IPv4 and IPv6, from /proc)."""
+    import ipaddress
+
+    inodes: set[str] = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                try:
+                    target = os.readlink(fd)
+                except OSError:
+                    continue
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:  # the process is gone
+            continue
+    found = set()
+    for table, width in (("tcp", 8), ("tcp6", 32)):
+        try:
+            lines = Path(f"/proc/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            hex_addr, hex_port = local.split(":")
+            raw = bytes.fromhex(hex_addr)
+            # /proc prints the address as 32-bit words in host (little-endian) order
+            words = b"".join(raw[i : i + 4][::-1] for i in range(0, width // 2, 4))
+            address = ipaddress.ip_address(words)
+            mapped = getattr(address, "ipv4_mapped", None)  # a dual-stack socket bound to an IPv4 address
+            found.add((str(mapped or address), int(hex_port, 16)))
+    return found

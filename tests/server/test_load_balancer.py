@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -168,4 +170,47 @@ def test_a_request_waits_for_a_restarting_replica(bg: LoopThread) -> None:
         client.close()
         bg.run(front.stop(0))
         bg.run(server.stop(0))
+        bg.run(balancer.close())
+
+
+def test_a_hung_replica_is_failed_over_and_health_answers_meanwhile(bg: LoopThread) -> None:
+    """A replica that stops answering (SIGSTOP, a wedged engine) for the stall timeout: prompts it had
+    not answered go to the other replica, a stream it had started ends with UNAVAILABLE, stats and
+    health answer from the other at once, and the replica rejoins when it answers again."""
+    base = free_port_block(3)
+    (_, s0), (r1, s1) = (bg.run(start_fake(f"r{i}", base + 1 + i)) for i in range(2))
+    balancer, server = bg.run(
+        start_balancer([f"127.0.0.1:{base + 1}", f"127.0.0.1:{base + 2}"], base, stall_timeout_s=1.0)
+    )
+
+    async def nothing(any_up: bool, all_up: bool) -> None:
+        pass
+
+    monitor = asyncio.run_coroutine_threadsafe(balancer.monitor(nothing, interval_s=0.1), bg.loop)
+    client = Client(f"127.0.0.1:{base}")
+    try:
+        r1.frozen = True
+        started = time.monotonic()
+        out = client.generate(["a", "b", "c", "d"])  # b and d go to r1 first
+        assert [r.generated_text for r in out] == ["a@r0", "b@r0", "c@r0", "d@r0"]
+        assert time.monotonic() - started < 10
+        started = time.monotonic()
+        stats = client.stats()
+        assert time.monotonic() - started < 3  # the silent replica costs one stats deadline, not more
+        assert [s.healthy for s in stats] == [True, False]
+
+        r1.frozen = False
+        wait_for(lambda: not balancer._links[f"127.0.0.1:{base + 2}"].stalled, 10, "r1 to rejoin")
+        stream = client.generate_stream(["slow x" * 20, "slow y" * 20])  # one prompt on each replica
+        seen = {next(stream).prompt_index, next(stream).prompt_index}
+        assert seen == {0, 1}  # both replicas have produced output
+        r1.frozen = True
+        with pytest.raises(ReplicaUnavailable, match="hung"):
+            list(stream)
+    finally:
+        r1.frozen = False
+        monitor.cancel()
+        client.close()
+        for s in (server, s0, s1):
+            bg.run(s.stop(0))
         bg.run(balancer.close())

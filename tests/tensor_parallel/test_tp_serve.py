@@ -7,7 +7,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from server.helpers import deployment_processes, free_port_block, wait_for
+from server.helpers import deployment_processes, free_port_block, listening_addresses, wait_for
 
 import mii_server
 from mii_server.errors import InvalidRequest, MIIServerError
@@ -33,8 +33,14 @@ def test_tp2_two_replicas_serve_and_terminate(tiny_checkpoints: dict[str, Path])
         assert [r.token_ids for r in out] == expected
         stats = client.stats()
         assert all(r.healthy and r.prompts_received == 3 for r in stats), stats  # both replicas served
-        roles = sorted(_role(pid) for pid in deployment_processes(name, registry_dir))
+        pids = deployment_processes(name, registry_dir)
+        roles = sorted(_role(pid) for pid in pids)
         assert roles == ["load-balancer", "replica", "replica", "replica-rank", "replica-rank", "supervisor"]
+        # every socket of the deployment, the ranks' rendezvous store and step channel included,
+        # listens on the loopback address it was given, none on every interface
+        listening = listening_addresses(pids)
+        assert len(listening) >= 7, listening  # LB, 2 replicas, 2 metrics, 2 stores, 2 step channels
+        assert {address for address, _ in listening} == {"127.0.0.1"}, listening
     finally:
         client.terminate_server()
     wait_for(lambda: not deployment_processes(name, registry_dir), 60, "every rank to exit")

@@ -122,6 +122,13 @@ class DeploymentConfig(BaseModel):
         "carries to finish before it cuts them; None sets no limit of its own (the supervisor's teardown "
         "or Kubernetes' terminationGracePeriodSeconds bounds it). A second SIGTERM cuts at once.",
     )
+    replica_stall_timeout_s: float = Field(
+        default=20.0,
+        gt=0,
+        description="Seconds a replica may go without answering its stats, or spend in one engine step, before "
+        "it counts as hung: the load balancer fails its requests over (those with no output yet; the others "
+        "end with UNAVAILABLE) and the supervisor kills and restarts it.",
+    )
     resolve_interval_s: float = Field(
         default=2.0,
         gt=0,

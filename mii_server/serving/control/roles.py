@@ -120,6 +120,7 @@ class LoadBalancerRole(_Role):
     )
     replica_wait_s: float = Field(default=30.0, ge=0, description="DeploymentConfig.replica_wait_s.")
     resolve_interval_s: float = Field(default=2.0, gt=0, description="DeploymentConfig.resolve_interval_s.")
+    replica_stall_timeout_s: float = Field(default=20.0, gt=0, description="DeploymentConfig.replica_stall_timeout_s.")
 
     @field_validator("replicas")
     @classmethod
@@ -185,7 +186,11 @@ def _common(cfg: DeploymentConfig) -> dict[str, Any]:
 
 
 def _balancing(cfg: DeploymentConfig) -> dict[str, Any]:
-    return {"replica_wait_s": cfg.replica_wait_s, "resolve_interval_s": cfg.resolve_interval_s}
+    return {
+        "replica_wait_s": cfg.replica_wait_s,
+        "resolve_interval_s": cfg.resolve_interval_s,
+        "replica_stall_timeout_s": cfg.replica_stall_timeout_s,
+    }
 
 
 def _fronting(cfg: DeploymentConfig) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """The supervisor: starts every process of a deployment, waits until all answer health, restarts
-what dies, and tears everything down on terminate.
+what dies (and, through its watchdog, kills and restarts a replica that hangs), and tears everything
+down on terminate.
 
 Protocol with its children: a child that exits with status 0 was told to stop (Terminate RPC or
 SIGTERM) and is not restarted; the load balancer exiting with 0 means the deployment was terminated,
@@ -27,6 +28,7 @@ from ...launch.spec import LaunchSpec, Role
 from .. import grpc_common
 from . import devices, registry
 from .deployment import DeploymentConfig
+from .watchdog import ReplicaWatchdog
 
 log = logging.getLogger(__name__)
 
@@ -101,12 +103,24 @@ class Supervisor:
         log.info(
             "deployment %s ready: load balancer at %s", self.config.deployment_name, self.config.lb_address
         )
+        watchdog = ReplicaWatchdog(self._serving_replicas, self.config.replica_stall_timeout_s, self.stop)
+        for _, pid in self._serving_replicas():
+            watchdog.arm(pid)  # every replica answered health just now
+        watchdog.start()
         self._watch()
         self._write_record("stopping")
         self._teardown()
         registry.remove(self.config.deployment_name, self.config.registry_dir, only_pid=os.getpid())
         log.info("deployment %s stopped", self.config.deployment_name)
         return 0
+
+    def _serving_replicas(self) -> list[tuple[str, int]]:
+        """(address, pid) of every replica process running now (what the watchdog looks at)."""
+        return [
+            (self.config.replica_addresses[c.index], c.proc.pid)
+            for c in self.children
+            if c.role == "replica" and c.proc is not None and c.proc.poll() is None
+        ]
 
     def _spawn(self, child: Child) -> None:
         spec = LaunchSpec(deployment=self.config, replica_index=child.index)

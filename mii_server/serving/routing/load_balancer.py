@@ -17,7 +17,10 @@ abort the prompts on the replicas.
 Health and stats: a monitor task asks every replica's ``Stats`` each ``HEALTH_INTERVAL_S`` (each with
 its own deadline, concurrently), marks replicas up or down and keeps their last answer; the ``Stats``
 RPC asks the replicas afresh under a short deadline and falls back to that cache for any replica that
-does not answer in time, so one frozen replica never stalls health.
+does not answer in time, so one frozen replica never stalls health. A replica that shows no working
+engine for ``stall_timeout_s`` (stats unanswered, e.g. a stopped process; or one engine step running
+that long) is hung: it takes no new prompts, and its calls are ended: prompts with no output yet are
+retried on another replica, the others end with UNAVAILABLE. It rejoins once it answers again.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -36,7 +39,7 @@ from ...errors import MIIServerError, ReplicaUnavailable
 from ...wire import convert, generation_pb2_grpc
 from ...wire import generation_pb2 as pb
 from .. import grpc_common
-from ..status import abort_rpc, forward_rpc_error, is_retryable
+from ..status import ERROR_METADATA_KEY, abort_rpc, forward_rpc_error, is_retryable
 from .discovery import ReplicaDiscovery
 from .router import RoundRobinRouter, group_by_replica
 
@@ -60,16 +63,41 @@ class ReplicaLink:
     last_stats: pb.ReplicaStats | None = None
     calls: int = 0  # upstream calls in flight on the channel
     dropped: bool = False  # no longer a member: close the channel once ``calls`` reaches 0
+    last_alive: float = field(default_factory=time.monotonic)  # last answer that showed a working engine
+    stalled: bool = False  # silent (or stuck in one step) past the stall timeout: its calls were failed over
+    work: set[asyncio.Task] = field(default_factory=set)  # generation calls on it (cancelled if it stalls)
+
+
+class ReplicaStalled(grpc.RpcError):
+    """What a call on a hung replica ends with: UNAVAILABLE (so prompts with no output are retried)."""
+
+    def __init__(self, address: str, timeout_s: float) -> None:
+        super().__init__()
+        self._details = f"replica {address} is hung (no progress for {timeout_s:.0f}s); its requests were failed over"
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((ERROR_METADATA_KEY, "ReplicaUnavailable"),)
 
 
 class LoadBalancer(generation_pb2_grpc.GenerationServicer):
     """Servicer of the load balancer process (create it inside the running event loop: its channels
     belong to that loop). ``stop_requested`` is set by Terminate."""
 
-    def __init__(self, replica_addresses: Iterable[str] = (), replica_wait_s: float = 0.0) -> None:
+    def __init__(
+        self, replica_addresses: Iterable[str] = (), replica_wait_s: float = 0.0, stall_timeout_s: float = 20.0
+    ) -> None:
         """``replica_wait_s``: how long a request whose every replica failed waits for one to come
-        back (a restart, or a new address) before it fails with ReplicaUnavailable; 0 fails at once."""
+        back (a restart, or a new address) before it fails with ReplicaUnavailable; 0 fails at once.
+        ``stall_timeout_s``: how long a replica may go without showing a working engine (its stats
+        unanswered, or one engine step running) before it counts as hung and its calls are failed over."""
         self.replica_wait_s = replica_wait_s
+        self.stall_timeout_s = stall_timeout_s
         self.router = RoundRobinRouter()
         self._links: dict[str, ReplicaLink] = {}
         self._closing: set[asyncio.Task] = set()  # channels of dropped replicas being closed
@@ -135,6 +163,13 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
         finally:
             self._release(link)
 
+    def _work(self, link: ReplicaLink, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        """``_call`` for a generation call: cancelled (and failed over) if the replica is found hung."""
+        task = self._call(link, coro)
+        link.work.add(task)
+        task.add_done_callback(link.work.discard)
+        return task
+
     def _call(self, link: ReplicaLink, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
         """Run ``coro`` (a call on ``link``) as a task that holds the channel open until it ends; the
         count is taken now, before the task starts, and given back even if it is cancelled unstarted."""
@@ -157,8 +192,29 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
 
     async def _probe(self, links: list[ReplicaLink]) -> None:
         replies = await asyncio.gather(*(self._call(link, self._replica_stats(link)) for link in links))
+        now = time.monotonic()
         for link, entry in zip(links, replies, strict=True):
-            self._mark(link.address, entry is not None and entry.healthy)
+            if entry is not None and entry.busy_step_s <= self.stall_timeout_s:
+                link.last_alive = now
+            hung = now - link.last_alive > self.stall_timeout_s
+            if hung and not link.stalled:
+                self._stall(link, entry)
+            elif not hung and link.stalled:
+                link.stalled = False
+                log.info("replica %s answers again with a working engine", link.address)
+            self._mark(link.address, entry is not None and entry.healthy and not hung)
+
+    def _stall(self, link: ReplicaLink, entry: pb.ReplicaStats | None) -> None:
+        """A hung replica: route around it and end its calls (prompts with no output go elsewhere)."""
+        what = "does not answer" if entry is None else f"has been in one engine step for {entry.busy_step_s:.0f}s"
+        log.error(
+            "replica %s %s (stall timeout %.0fs): failing over its %d calls", link.address, what,
+            self.stall_timeout_s, len(link.work),
+        )  # fmt: skip
+        link.stalled = True
+        self._mark(link.address, False)
+        for task in list(link.work):
+            task.cancel()
 
     async def monitor(self, on_change: HealthListener, interval_s: float = HEALTH_INTERVAL_S) -> None:
         """Probe replicas until stopped; ``on_change(any_up, all_up)`` after each round."""
@@ -195,7 +251,8 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
         deadline = time.monotonic() + self.replica_wait_s
         while True:
             try:
-                return [self._links[a] for a in self.router.assign(count, exclude=failed)]
+                hung = {a for a, link in self._links.items() if link.stalled}
+                return [self._links[a] for a in self.router.assign(count, exclude=failed | hung)]
             except ReplicaUnavailable:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -233,7 +290,7 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
             by_address = {link.address: link for link in links}
             groups = group_by_replica(pending, [link.address for link in links])
             tasks = [
-                self._call(by_address[a], self._generate_on(by_address[a], idx, request)) for a, idx in groups.items()
+                self._work(by_address[a], self._generate_on(by_address[a], idx, request)) for a, idx in groups.items()
             ]
             pending = []
             try:
@@ -260,6 +317,10 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
             return link.address, indices, await link.stub.Generate(_sub_request(request, indices))
         except grpc.RpcError as err:
             return link.address, indices, err
+        except asyncio.CancelledError:
+            if not link.stalled:
+                raise  # our caller left
+            return link.address, indices, ReplicaStalled(link.address, self.stall_timeout_s)
 
     async def GenerateStream(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -275,7 +336,7 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
             groups = group_by_replica(indices, [link.address for link in links])
             for address, idx in groups.items():
                 link = by_address[address]
-                pumps.append(self._call(link, self._pump(link, idx, request, events)))
+                pumps.append(self._work(link, self._pump(link, idx, request, events)))
             return len(groups)
 
         try:
@@ -315,11 +376,15 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
                 produced = True
                 chunk.prompt_index = indices[chunk.prompt_index]
                 events.put_nowait(("chunk", chunk))
-        except grpc.RpcError as err:
-            if not produced and is_retryable(err):
-                events.put_nowait(("retry", (link.address, indices, err)))
+        except (grpc.RpcError, asyncio.CancelledError) as exc:
+            if isinstance(exc, asyncio.CancelledError):
+                if not link.stalled:
+                    raise  # our caller left
+                exc = ReplicaStalled(link.address, self.stall_timeout_s)
+            if not produced and is_retryable(exc):
+                events.put_nowait(("retry", (link.address, indices, exc)))
             else:
-                events.put_nowait(("error", err))
+                events.put_nowait(("error", exc))
             return
         finally:
             call.cancel()  # no-op after a clean end

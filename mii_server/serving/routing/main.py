@@ -28,7 +28,9 @@ def run_load_balancer(role: LoadBalancerRole) -> int:
 
 async def _serve(role: LoadBalancerRole) -> int:
     discovery = ReplicaDiscovery(parse_targets(role.replicas))
-    balancer = LoadBalancer(await discovery.resolve(), replica_wait_s=role.replica_wait_s)
+    balancer = LoadBalancer(
+        await discovery.resolve(), replica_wait_s=role.replica_wait_s, stall_timeout_s=role.replica_stall_timeout_s
+    )
     stop = StopRequest(balancer.stop_requested)
     stop.install()
     server, health = await grpc_common.start_server(balancer, role.host, role.port)
