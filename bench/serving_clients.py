@@ -280,10 +280,10 @@ def worker_main(conn: Connection) -> None:
     and send its ``JobResult``; stop when sent None."""
     import httpx  # noqa: F401 - imported once, before the first job's clock starts
 
+    from mii_server.launch.process import raise_open_file_limit
     from mii_server.serving.frontends import client  # noqa: F401
 
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # one socket per open stream
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    raise_open_file_limit()  # one socket per open stream
     while (job := conn.recv()) is not None:
         conn.send("ready")
         conn.send(asyncio.run(run_job(job, conn.recv())))
