@@ -156,6 +156,12 @@ class GatewayRole(_Role):
     served_model: str = Field(description="The model id of the OpenAI API.")
     api_key_file: str = Field(default="", description="DeploymentConfig.api_key_file.")
     rest_threads: int = Field(ge=1, description="The REST gateway's WSGI threads (DeploymentConfig.rest_gateway_threads).")
+    allowed_origins: list[str] = Field(
+        default_factory=list, description="DeploymentConfig.allowed_origins: CORS origins (empty: off).", json_schema_extra=FLAG
+    )
+    max_request_body_bytes: int = Field(
+        default=32 * 2**20, ge=1024, le=2**27, description="DeploymentConfig.max_request_body_bytes."
+    )
 
     @model_validator(mode="after")
     def _serves_something(self) -> GatewayRole:
@@ -189,4 +195,10 @@ def _balancing(cfg: DeploymentConfig) -> dict[str, Any]:
 
 
 def _fronting(cfg: DeploymentConfig) -> dict[str, Any]:
-    return {"served_model": cfg.served_model, "api_key_file": cfg.api_key_file, "rest_threads": cfg.rest_gateway_threads}
+    return {
+        "served_model": cfg.served_model,
+        "api_key_file": cfg.api_key_file,
+        "rest_threads": cfg.rest_gateway_threads,
+        "allowed_origins": cfg.allowed_origins,
+        "max_request_body_bytes": cfg.max_request_body_bytes,
+    }
