@@ -20,6 +20,10 @@ class InvalidRequest(MIIServerError, ValueError):
     """A request whose values are out of range (negative length, top_p > 1, prompt too long...)."""
 
 
+class ContextLengthExceeded(InvalidRequest):
+    """A prompt (with the tokens asked for) longer than the model's context or the request's max_length."""
+
+
 class UnsupportedModel(MIIServerError, ValueError):
     """A checkpoint whose ``model_type`` no model family here implements."""
 

@@ -10,11 +10,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..errors import InvalidRequest, UnknownArgument
+from ..errors import ContextLengthExceeded, InvalidRequest, UnknownArgument
 
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_LOGPROBS = 20  # alternatives per position (OpenAI's top_logprobs limit)
+INT64_MAX = 2**63 - 1  # integers cross the wire as int64: a larger one is a bad value, not a crash
 
 
 class GenerateParams(BaseModel):
@@ -25,21 +26,24 @@ class GenerateParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     max_new_tokens: int | None = Field(
-        default=None, ge=1, description="Most tokens to generate; None means up to max_length."
+        default=None, ge=1, le=INT64_MAX, description="Most tokens to generate; None means up to max_length."
     )
     max_length: int | None = Field(
         default=None,
         ge=1,
+        le=INT64_MAX,
         description="Most tokens of prompt plus output; None means the deployment's max_length.",
     )
     min_new_tokens: int = Field(
-        default=0, ge=0, description="EOS and stop_token_ids are suppressed until this many tokens exist."
+        default=0, ge=0, le=INT64_MAX, description="EOS and stop_token_ids are suppressed until this many tokens exist."
     )
     do_sample: bool = Field(default=True, description="Sample from the distribution; False is greedy argmax.")
     temperature: float | None = Field(
         default=None, gt=0, le=100, description="Divides the logits before sampling; None means 1.0."
     )
-    top_k: int | None = Field(default=None, ge=1, description="Sample only among the k most likely tokens.")
+    top_k: int | None = Field(
+        default=None, ge=1, le=INT64_MAX, description="Sample only among the k most likely tokens."
+    )
     top_p: float = Field(
         default=0.9,
         gt=0,
@@ -136,8 +140,8 @@ class GenerateParams(BaseModel):
     @field_validator("stop_token_ids")
     @classmethod
     def _ids_non_negative(cls, value: list[int]) -> list[int]:
-        if any(i < 0 for i in value):
-            raise ValueError("stop_token_ids must be non-negative")
+        if any(not 0 <= i <= INT64_MAX for i in value):
+            raise ValueError("stop_token_ids must be token ids: integers from 0 to 2**63 - 1")
         return value
 
     @field_validator("logit_bias", mode="before")
@@ -153,8 +157,8 @@ class GenerateParams(BaseModel):
     def _bias_in_range(cls, value: dict[int, float]) -> dict[int, float]:
         if len(value) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries")
-        if any(i < 0 for i in value):
-            raise ValueError("logit_bias token ids must be non-negative")
+        if any(not 0 <= i <= INT64_MAX for i in value):
+            raise ValueError("logit_bias keys must be token ids: integers from 0 to 2**63 - 1")
         if any(not -100 <= b <= 100 for b in value.values()):
             raise ValueError("logit_bias values must be between -100 and 100")
         return value
@@ -186,18 +190,19 @@ class GenerateParams(BaseModel):
     def limits_for(self, prompt_length: int, default_max_length: int, context_length: int) -> int:
         """How many new tokens this request may generate after a prompt of ``prompt_length`` tokens.
 
-        Raises ``InvalidRequest`` when the prompt alone leaves no room.
+        Raises ``ContextLengthExceeded`` (an ``InvalidRequest``) when the prompt alone leaves no room, or
+        when ``max_new_tokens`` does not fit and ``truncate_max_new_tokens`` is off.
         """
         max_length = min(self.max_length or default_max_length, context_length)
         if prompt_length >= max_length:
-            raise InvalidRequest(
+            raise ContextLengthExceeded(
                 f"prompt has {prompt_length} tokens, which leaves no room under max_length={max_length} "
                 f"(model context {context_length})"
             )
         budget = max_length - prompt_length
         if self.max_new_tokens is not None:
             if self.max_new_tokens > budget and not self.truncate_max_new_tokens:
-                raise InvalidRequest(
+                raise ContextLengthExceeded(
                     f"this model's maximum context length is {max_length} tokens, but {prompt_length + self.max_new_tokens} "
                     f"were requested ({prompt_length} in the prompt, {self.max_new_tokens} to generate); "
                     "shorten the prompt or lower the number of tokens to generate"

@@ -39,7 +39,9 @@ def run_replica(role: ReplicaRole) -> int:
 async def _serve(role: ReplicaRole) -> int:
     index = role.replica_index
     loop = asyncio.get_running_loop()
-    servicer = ReplicaServicer(index, role.address, max_queued_requests=role.max_queued_requests)
+    servicer = ReplicaServicer(
+        index, role.address, max_queued_requests=role.max_queued_requests, model_name=role.served_model
+    )
     stop = StopRequest(servicer.stop_requested)
     stop.install()
     start_replica_metrics(role, servicer)

@@ -3,7 +3,9 @@
 Concurrent RPCs from any number of clients land in the same continuous batch. No RPC holds a thread:
 each is a task on the event loop that awaits its prompts' updates, which the batching thread hands
 over through the ``UpdateRelay`` (one wake-up per engine step). Tokenisation and chat templates run
-on a small thread pool, off the event loop and off the batching loop. An RPC that ends early
+on a small thread pool, off the event loop and off the batching loop. A prompt is text or token ids;
+ids are checked against the vocabulary before anything is queued. The caller's request id is logged
+only when it is a safe token (``convert.request_id_of``), so a gRPC caller cannot forge log lines. An RPC that ends early
 (cancelled by its caller, deadline, the load balancer giving up) aborts its unfinished prompts in its
 ``finally``, which frees their KV blocks at the next step.
 """
@@ -26,7 +28,8 @@ from ..serving.metrics import ReplicaMetrics
 from ..serving.status import abort_rpc
 from ..wire import convert, generation_pb2_grpc
 from ..wire import generation_pb2 as pb
-from ..wire.types import EngineStats, ReplicaStats
+from ..wire.types import EngineStats, Prompt, ReplicaStats
+from . import tokenizer_service
 from .chat import render_chat
 from .relay import UpdateRelay
 from .rpc_requests import RpcRequests
@@ -37,20 +40,27 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PREPARE_THREADS = 4  # tokenisation and chat templates, off the event loop
+DEMO_MODEL_ID = "mii-server-demo"  # the served id of the built-in demo model (DeploymentConfig.served_model)
 
 
 class ReplicaServicer(generation_pb2_grpc.GenerationServicer):
-    """Serves Generate/GenerateStream/Stats/Terminate/ApplyChatTemplate over an engine driver attached once
+    """Serves Generate/GenerateStream/Stats/Terminate/ApplyChatTemplate/Tokenize/TokenizerInfo over an engine
+    driver attached once
     loaded. Admission: a request whose prompts would make more than ``max_queued_requests`` prompts wait
     for the engine is refused at once with ``CapacityExceeded`` (RESOURCE_EXHAUSTED; HTTP 503 with
     ``Retry-After`` at the front ends)."""
 
-    def __init__(self, replica_index: int, address: str, max_queued_requests: int | None = None) -> None:
+    def __init__(
+        self, replica_index: int, address: str, max_queued_requests: int | None = None, model_name: str = ""
+    ) -> None:
+        """``model_name``: the served model id (metrics label, stats); empty: the model's path, known at
+        ``attach`` (the deployment's default served id)."""
         self.replica_index = replica_index
         self.address = address
         self.max_queued_requests = max_queued_requests  # None: unbounded
         self.stop_requested = asyncio.Event()  # set on the loop by Terminate or a signal
-        self.metrics = ReplicaMetrics(replica_index)
+        self.model_name = model_name
+        self.metrics = ReplicaMetrics(replica_index, model_name=model_name)
         self._driver: EngineDriver | None = None
         self._relay: UpdateRelay | None = None
         self._prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
@@ -59,6 +69,8 @@ class ReplicaServicer(generation_pb2_grpc.GenerationServicer):
 
     def attach(self, driver: EngineDriver, relay: UpdateRelay) -> None:
         """Start taking requests (called on the event loop once the model has loaded)."""
+        self.model_name = self.model_name or driver.config.model_name_or_path or DEMO_MODEL_ID
+        self.metrics.model_name = self.model_name
         self._driver = driver
         self._relay = relay
 
@@ -106,13 +118,38 @@ class ReplicaServicer(generation_pb2_grpc.GenerationServicer):
         self, request: pb.ChatTemplateRequest, context: grpc.aio.ServicerContext
     ) -> pb.ChatTemplateReply:
         driver = await self._serving_driver(context)
-        messages = convert.chat_messages_from_proto(request)
         try:
+            messages = convert.chat_messages_from_proto(request)
             loop = asyncio.get_running_loop()
             prompt = await loop.run_in_executor(self._prepare_pool, render_chat, driver.tokenizer(), messages)
         except InvalidRequest as exc:
             await abort_rpc(context, exc)
         return convert.chat_reply_to_proto(prompt)
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeReply:
+        driver = await self._serving_driver(context)
+        try:
+            prompts = convert.prompts_from_proto(request.prompts)
+            results = await asyncio.get_running_loop().run_in_executor(
+                self._prepare_pool,
+                lambda: tokenizer_service.tokenize(
+                    driver.tokenizer(),
+                    prompts,
+                    _vocabulary(driver),
+                    add_special_tokens=request.add_special_tokens,
+                    token_strings=request.token_strings,
+                ),
+            )
+        except InvalidRequest as exc:
+            await abort_rpc(context, exc)
+        return convert.tokenized_to_proto(results)
+
+    async def TokenizerInfo(
+        self, request: pb.TokenizerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizerInfoReply:
+        driver = await self._serving_driver(context)
+        info = tokenizer_service.describe(driver.tokenizer(), driver.context_length, _vocabulary(driver))
+        return convert.tokenizer_info_to_proto(info)
 
     async def Terminate(
         self, request: pb.TerminateRequest, context: grpc.aio.ServicerContext
@@ -132,6 +169,7 @@ class ReplicaServicer(generation_pb2_grpc.GenerationServicer):
             pid=os.getpid(),
             prompts_received=self._received,
             busy_step_s=self._driver.busy_step_s if self._driver is not None else 0.0,
+            model_name=self.model_name,
         )
 
     async def _serving_driver(self, context: grpc.aio.ServicerContext) -> EngineDriver:
@@ -149,9 +187,10 @@ class ReplicaServicer(generation_pb2_grpc.GenerationServicer):
         returned requests and must ``abort_unfinished`` them when its RPC ends. ``stream``: the caller
         reads text as it comes (else the text is decoded once, when each prompt finishes)."""
         driver = await self._serving_driver(context)
-        request_id = request.request_id or "-"
+        request_id = convert.request_id_of(request)
         count = len(request.prompts)
         try:
+            prompts = convert.prompts_from_proto(request.prompts)
             params = convert.params_from_proto(request.params)
             self._admit(driver, count)
         except Exception as exc:  # noqa: BLE001 - typed errors keep their status, others become INTERNAL
@@ -171,7 +210,7 @@ class ReplicaServicer(generation_pb2_grpc.GenerationServicer):
         try:
             loop = asyncio.get_running_loop()
             prepared = await loop.run_in_executor(
-                self._prepare_pool, _prepare_all, driver, list(request.prompts), params, requests, stream
+                self._prepare_pool, _prepare_all, driver, prompts, params, requests, stream
             )
             driver.enqueue(prepared)
         except BaseException as exc:  # a bad prompt, a dead engine, or the caller left while we prepared
@@ -213,8 +252,14 @@ class ReplicaServicer(generation_pb2_grpc.GenerationServicer):
         )
 
 
+def _vocabulary(driver: EngineDriver) -> int:
+    return tokenizer_service.vocabulary_size(driver.tokenizer(), driver.loop.vocab_size)
+
+
 def _prepare_all(
-    driver: EngineDriver, prompts: list[str], params: GenerateParams, requests: RpcRequests, stream: bool
+    driver: EngineDriver, prompts: list[Prompt], params: GenerateParams, requests: RpcRequests, stream: bool
 ) -> list[Request]:
-    """Tokenise and validate every prompt of an RPC before any is queued (a bad one leaves nothing behind)."""
+    """Check the token ids, tokenise and validate every prompt of an RPC before any is queued (a bad one
+    leaves nothing behind)."""
+    tokenizer_service.check_token_ids(prompts, _vocabulary(driver))
     return [driver.prepare(prompt, params, requests.sink(i), stream) for i, prompt in enumerate(prompts)]

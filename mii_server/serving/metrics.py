@@ -1,20 +1,22 @@
 """Prometheus metrics of replicas and gateways (prometheus-client; no torch).
 
-Names follow vLLM's under our prefix ``mii_server:`` (counters get the ``_total`` suffix on the wire).
-Every engine-level series carries a ``replica`` label, so a replica's own ``/metrics`` and a gateway's
-(which reports every replica through the load balancer's ``Stats``) use the same names.
+Names follow vLLM's under our prefix ``mii_server:`` (counters get the ``_total`` suffix on the wire;
+gauges never end in ``_total``). **One owner per metric**: a replica's ``/metrics`` has the engine's
+series, labelled ``model_name`` (the served model id, as vLLM) and ``replica``; a front end's has only
+its own HTTP series. Summing the scrapes of every process therefore counts everything once.
 
-| metric | kind | where |
+| metric | kind | owner |
 |---|---|---|
-| ``mii_server:num_requests_running`` / ``num_requests_waiting`` | gauge | engine stats |
-| ``mii_server:kv_cache_blocks_used`` / ``kv_cache_blocks_total`` / ``kv_cache_usage_perc`` | gauge | engine stats |
-| ``mii_server:prompt_tokens_total`` / ``generation_tokens_total`` / ``num_preemptions_total`` / ``prefix_cache_hits_total`` | counter | engine stats |
-| ``mii_server:replica_healthy`` | gauge | engine stats |
-| ``mii_server:request_success_total{finished_reason}`` | counter | replica, per prompt (stop, length, abort) |
-| ``mii_server:request_failure_total{reason}`` | counter | replica (error type), gateways (HTTP error kind) |
-| ``mii_server:time_to_first_token_seconds``, ``time_per_output_token_seconds``, ``e2e_request_latency_seconds`` | histogram | replica, per prompt |
-| ``mii_server:request_prompt_tokens`` / ``request_generation_tokens`` | histogram | replica, per prompt |
-| ``mii_server:http_requests_total{route,status}``, ``http_request_duration_seconds{route}`` | counter, histogram | gateways |
+| ``num_requests_running`` / ``num_requests_waiting`` | gauge | replica (engine stats) |
+| ``kv_cache_blocks_used`` / ``kv_cache_num_blocks`` / ``kv_cache_usage_perc`` | gauge | replica (engine stats) |
+| ``prompt_tokens_total`` / ``generation_tokens_total`` / ``num_preemptions_total`` / ``prefix_cache_hits_total`` | counter | replica (engine stats) |
+| ``replica_healthy`` | gauge | replica (engine stats) |
+| ``request_success_total{finished_reason}`` | counter | replica, per prompt (stop, length, abort) |
+| ``request_failure_total{reason}`` | counter | replica, per prompt refused or failed (error type) |
+| ``time_to_first_token_seconds``, ``time_per_output_token_seconds``, ``e2e_request_latency_seconds`` | histogram | replica, per prompt |
+| ``request_prompt_tokens`` / ``request_generation_tokens`` | histogram | replica, per prompt |
+| ``http_requests_total{route,status}``, ``http_request_duration_seconds{route}`` | counter, histogram | front end |
+| ``http_request_errors_total{route,code}`` | counter | front end, per HTTP request answered with an error (its body's ``code``) |
 """
 
 from __future__ import annotations
@@ -55,8 +57,12 @@ E2E_BUCKETS = (
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
+ENGINE_LABELS = ["model_name", "replica"]
+
+
 class EngineStatsCollector:
-    """Exports engine gauges and counters read at scrape time from ``source()`` (one entry per replica).
+    """Exports engine gauges and counters read at scrape time from ``source()`` (one entry per replica:
+    a replica's own stats).
 
     Counters read from the engine's own totals are exact: they cannot drift from what the engine did.
     ``source`` raising (load balancer unreachable) yields no samples rather than failing the scrape.
@@ -78,7 +84,7 @@ class EngineStatsCollector:
             "num_requests_running": "Requests in model execution batches.",
             "num_requests_waiting": "Requests waiting to be admitted (new or preempted).",
             "kv_cache_blocks_used": "KV cache blocks in use.",
-            "kv_cache_blocks_total": "KV cache blocks allocated.",
+            "kv_cache_num_blocks": "KV cache blocks allocated (used and free).",
             "kv_cache_usage_perc": "KV cache usage; 1 means 100 percent.",
             "replica_healthy": "1 when the replica's engine is loaded and routable.",
         }
@@ -88,15 +94,15 @@ class EngineStatsCollector:
             "num_preemptions": "Requests preempted for want of KV blocks.",
             "prefix_cache_hits": "Prompt tokens served from the prefix cache instead of computed.",
         }
-        g = {k: GaugeMetricFamily(PREFIX + k, doc, labels=["replica"]) for k, doc in gauges.items()}
-        c = {k: CounterMetricFamily(PREFIX + k, doc, labels=["replica"]) for k, doc in counters.items()}
+        g = {k: GaugeMetricFamily(PREFIX + k, doc, labels=ENGINE_LABELS) for k, doc in gauges.items()}
+        c = {k: CounterMetricFamily(PREFIX + k, doc, labels=ENGINE_LABELS) for k, doc in counters.items()}
         for s in replicas:
-            label = [str(s.replica_index)]
+            label = [s.model_name, str(s.replica_index)]
             used = s.total_blocks - s.free_blocks
             g["num_requests_running"].add_metric(label, s.running)
             g["num_requests_waiting"].add_metric(label, s.waiting)
             g["kv_cache_blocks_used"].add_metric(label, used)
-            g["kv_cache_blocks_total"].add_metric(label, s.total_blocks)
+            g["kv_cache_num_blocks"].add_metric(label, s.total_blocks)
             g["kv_cache_usage_perc"].add_metric(label, used / s.total_blocks if s.total_blocks else 0.0)
             g["replica_healthy"].add_metric(label, 1.0 if s.healthy else 0.0)
             c["prompt_tokens"].add_metric(label, s.prompt_tokens)
@@ -116,27 +122,29 @@ class _Timing:
 
 
 class ReplicaMetrics:
-    """Per-prompt histograms and outcome counters of one replica, fed by ``observe``."""
+    """Per-prompt histograms and outcome counters of one replica, fed by ``observe``. ``model_name`` (a
+    label of every series) may be set until the first observation: the replica learns it at load."""
 
-    def __init__(self, replica_index: int, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, replica_index: int, registry: CollectorRegistry | None = None, model_name: str = "") -> None:
         self.registry = registry or CollectorRegistry()
         self.replica = str(replica_index)
+        self.model_name = model_name
         r = self.registry
         self.success = Counter(
             PREFIX + "request_success",
             "Finished prompts by finish reason.",
-            ["replica", "finished_reason"],
+            [*ENGINE_LABELS, "finished_reason"],
             registry=r,
         )
         self.failure = Counter(
             PREFIX + "request_failure",
-            "Prompts that failed, by error type.",
-            ["replica", "reason"],
+            "Prompts refused or failed on this replica, by error type.",
+            [*ENGINE_LABELS, "reason"],
             registry=r,
         )
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, ["replica"], buckets=buckets, registry=r)
+            return Histogram(PREFIX + name, doc, ENGINE_LABELS, buckets=buckets, registry=r)
 
         self.ttft = histogram("time_to_first_token_seconds", "Submit to first generated token.", TTFT_BUCKETS)
         self.tpot = histogram(
@@ -149,8 +157,11 @@ class ReplicaMetrics:
     def start(self) -> _Timing:
         return _Timing(submitted=time.monotonic())
 
+    def _labels(self) -> tuple[str, str]:
+        return self.model_name, self.replica
+
     def failed(self, exc: BaseException) -> None:
-        self.failure.labels(self.replica, type(exc).__name__).inc()
+        self.failure.labels(*self._labels(), type(exc).__name__).inc()
 
     def observe(self, timing: _Timing, update: Any) -> None:
         """Record one engine update of a prompt (runs on the batching thread, before the RPC sees it)."""
@@ -163,21 +174,23 @@ class ReplicaMetrics:
             return
         if timing.first_token is None and response.generated_length > 0:
             timing.first_token = now
-            self.ttft.labels(self.replica).observe(now - timing.submitted)
+            self.ttft.labels(*self._labels()).observe(now - timing.submitted)
         if response.finish_reason is FinishReason.NONE:
             return
-        self.success.labels(self.replica, response.finish_reason.value).inc()
-        self.e2e.labels(self.replica).observe(now - timing.submitted)
-        self.prompt_len.labels(self.replica).observe(response.prompt_length)
-        self.gen_len.labels(self.replica).observe(response.generated_length)
+        labels = self._labels()
+        self.success.labels(*labels, response.finish_reason.value).inc()
+        self.e2e.labels(*labels).observe(now - timing.submitted)
+        self.prompt_len.labels(*labels).observe(response.prompt_length)
+        self.gen_len.labels(*labels).observe(response.generated_length)
         if timing.first_token is not None and response.generated_length > 1:
-            self.tpot.labels(self.replica).observe(
+            self.tpot.labels(*labels).observe(
                 (now - timing.first_token) / (response.generated_length - 1)
             )
 
 
 class HttpMetrics:
-    """What a gateway counts about its own HTTP traffic, in its own registry."""
+    """What a front end counts about its own HTTP traffic, in its own registry (no engine series: those
+    are the replicas')."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -192,18 +205,18 @@ class HttpMetrics:
             buckets=E2E_BUCKETS,
             registry=r,
         )
-        self.failure = Counter(
-            PREFIX + "request_failure",
-            "Requests that failed at this gateway, by reason.",
-            ["reason"],
+        self.errors = Counter(
+            PREFIX + "http_request_errors",
+            "HTTP requests answered with an error (or whose client left), by route and error code.",
+            ["route", "code"],
             registry=r,
         )
 
-    def finished(self, route: str, status: int, seconds: float, reason: str = "") -> None:
+    def finished(self, route: str, status: int, seconds: float, code: str = "") -> None:
         self.requests.labels(route, str(status)).inc()
         self.duration.labels(route).observe(seconds)
-        if reason:
-            self.failure.labels(reason).inc()
+        if code:
+            self.errors.labels(route, code).inc()
 
 
 def exposition(registry: CollectorRegistry) -> tuple[bytes, str]:

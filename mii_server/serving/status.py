@@ -19,6 +19,7 @@ ERROR_METADATA_KEY = "mii-error"
 # Error type -> (gRPC code, HTTP status). Order matters only for subclasses (none overlap here).
 _TABLE: dict[type[errors.MIIServerError], tuple[grpc.StatusCode, int]] = {
     errors.UnknownArgument: (grpc.StatusCode.INVALID_ARGUMENT, 400),
+    errors.ContextLengthExceeded: (grpc.StatusCode.INVALID_ARGUMENT, 400),  # before its base class
     errors.InvalidRequest: (grpc.StatusCode.INVALID_ARGUMENT, 400),
     errors.UnsupportedModel: (grpc.StatusCode.FAILED_PRECONDITION, 400),
     errors.CapacityExceeded: (grpc.StatusCode.RESOURCE_EXHAUSTED, 503),

@@ -24,39 +24,67 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n mii_server/wire/generation.proto\x12\x0fmii_server.wire\"\x86\x04\n\x10GenerationParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x17\n\nmax_length\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x1b\n\x0emin_new_tokens\x18\x03 \x01(\x03H\x02\x88\x01\x01\x12\x16\n\tdo_sample\x18\x04 \x01(\x08H\x03\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x03\x12\x17\n\nignore_eos\x18\n \x01(\x08H\x07\x88\x01\x01\x12\x1d\n\x10return_full_text\x18\x0b \x01(\x08H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\x0c \x01(\x04H\t\x88\x01\x01\x12$\n\x17truncate_max_new_tokens\x18\r \x01(\x08H\n\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\r\n\x0b_max_lengthB\x11\n\x0f_min_new_tokensB\x0c\n\n_do_sampleB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\r\n\x0b_ignore_eosB\x13\n\x11_return_full_textB\x07\n\x05_seedB\x1a\n\x18_truncate_max_new_tokens\"i\n\x0fGenerateRequest\x12\x0f\n\x07prompts\x18\x01 \x03(\t\x12\x31\n\x06params\x18\x02 \x01(\x0b\x32!.mii_server.wire.GenerationParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\xb4\x01\n\nCompletion\x12\x14\n\x0cprompt_index\x18\x01 \x01(\r\x12\x16\n\x0egenerated_text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x15\n\rprompt_length\x18\x04 \x01(\r\x12\x18\n\x10generated_length\x18\x05 \x01(\r\x12\x34\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1d.mii_server.wire.FinishReason\"A\n\rGenerateReply\x12\x30\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x1b.mii_server.wire.Completion\"\x12\n\x10TerminateRequest\"\x10\n\x0eTerminateReply\"\x0e\n\x0cStatsRequest\"\xe7\x02\n\x0cReplicaStats\x12\x15\n\rreplica_index\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x18\n\x10prompts_received\x18\x05 \x01(\x04\x12\x16\n\x0eprompts_routed\x18\x06 \x01(\x04\x12\x0f\n\x07running\x18\x07 \x01(\r\x12\x0f\n\x07waiting\x18\x08 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\t \x01(\r\x12\x14\n\x0ctotal_blocks\x18\n \x01(\r\x12\x19\n\x11requests_finished\x18\x0b \x01(\x04\x12\x15\n\rprompt_tokens\x18\x0c \x01(\x04\x12\x18\n\x10generated_tokens\x18\r \x01(\x04\x12\x13\n\x0bpreemptions\x18\x0e \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0f \x01(\x04\x12\x13\n\x0b\x62usy_step_s\x18\x10 \x01(\x01\"=\n\nStatsReply\x12/\n\x08replicas\x18\x01 \x03(\x0b\x32\x1d.mii_server.wire.ReplicaStats\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"x\n\x13\x43hatTemplateRequest\x12.\n\x08messages\x18\x01 \x03(\x0b\x32\x1c.mii_server.wire.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"#\n\x11\x43hatTemplateReply\x12\x0e\n\x06prompt\x18\x01 \x01(\t*\x90\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_NONE\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x32\xa2\x03\n\nGeneration\x12L\n\x08Generate\x12 .mii_server.wire.GenerateRequest\x1a\x1e.mii_server.wire.GenerateReply\x12Q\n\x0eGenerateStream\x12 .mii_server.wire.GenerateRequest\x1a\x1b.mii_server.wire.Completion0\x01\x12O\n\tTerminate\x12!.mii_server.wire.TerminateRequest\x1a\x1f.mii_server.wire.TerminateReply\x12\x43\n\x05Stats\x12\x1d.mii_server.wire.StatsRequest\x1a\x1b.mii_server.wire.StatsReply\x12]\n\x11\x41pplyChatTemplate\x12$.mii_server.wire.ChatTemplateRequest\x1a\".mii_server.wire.ChatTemplateReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n mii_server/wire/generation.proto\x12\x0fmii_server.wire\"\x94\x07\n\x10GenerationParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x17\n\nmax_length\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x1b\n\x0emin_new_tokens\x18\x03 \x01(\x03H\x02\x88\x01\x01\x12\x16\n\tdo_sample\x18\x04 \x01(\x08H\x03\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\x0c\x12\x16\n\x0estop_token_ids\x18\t \x03(\x03\x12\x17\n\nignore_eos\x18\n \x01(\x08H\x07\x88\x01\x01\x12\x1d\n\x10return_full_text\x18\x0b \x01(\x08H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\x0c \x01(\x04H\t\x88\x01\x01\x12$\n\x17truncate_max_new_tokens\x18\r \x01(\x08H\n\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0e \x01(\x01H\x0b\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0f \x01(\x01H\x0c\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x10 \x01(\x01H\r\x88\x01\x01\x12\x12\n\x05min_p\x18\x11 \x01(\x01H\x0e\x88\x01\x01\x12\x44\n\nlogit_bias\x18\x12 \x03(\x0b\x32\x30.mii_server.wire.GenerationParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x13 \x01(\x03H\x0f\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x14 \x01(\x03H\x10\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x11\n\x0f_max_new_tokensB\r\n\x0b_max_lengthB\x11\n\x0f_min_new_tokensB\x0c\n\n_do_sampleB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\r\n\x0b_ignore_eosB\x13\n\x11_return_full_textB\x07\n\x05_seedB\x1a\n\x18_truncate_max_new_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"P\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\x0cH\x00\x12.\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x19.mii_server.wire.TokenIdsH\x00\x42\x06\n\x04kind\"\x88\x01\n\x0fGenerateRequest\x12(\n\x07prompts\x18\x04 \x03(\x0b\x32\x17.mii_server.wire.Prompt\x12\x31\n\x06params\x18\x02 \x01(\x0b\x32!.mii_server.wire.GenerationParams\x12\x12\n\nrequest_id\x18\x03 \x01(\x0cJ\x04\x08\x01\x10\x02\"\xb2\x02\n\nCompletion\x12\x14\n\x0cprompt_index\x18\x01 \x01(\r\x12\x16\n\x0egenerated_text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x15\n\rprompt_length\x18\x04 \x01(\r\x12\x18\n\x10generated_length\x18\x05 \x01(\r\x12\x34\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1d.mii_server.wire.FinishReason\x12\x15\n\rcached_tokens\x18\x07 \x01(\r\x12+\n\x08logprobs\x18\x08 \x01(\x0b\x32\x19.mii_server.wire.Logprobs\x12\x38\n\x0fprompt_logprobs\x18\t \x01(\x0b\x32\x1f.mii_server.wire.PromptLogprobs\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\"s\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12\x31\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1b.mii_server.wire.TopLogprob\":\n\x08Logprobs\x12.\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1d.mii_server.wire.TokenLogprob\"=\n\rPromptLogprob\x12,\n\x05value\x18\x01 \x01(\x0b\x32\x1d.mii_server.wire.TokenLogprob\"A\n\x0ePromptLogprobs\x12/\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1e.mii_server.wire.PromptLogprob\"A\n\rGenerateReply\x12\x30\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x1b.mii_server.wire.Completion\"\x12\n\x10TerminateRequest\"\x10\n\x0eTerminateReply\"\x0e\n\x0cStatsRequest\"\xfb\x02\n\x0cReplicaStats\x12\x15\n\rreplica_index\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x18\n\x10prompts_received\x18\x05 \x01(\x04\x12\x16\n\x0eprompts_routed\x18\x06 \x01(\x04\x12\x0f\n\x07running\x18\x07 \x01(\r\x12\x0f\n\x07waiting\x18\x08 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\t \x01(\r\x12\x14\n\x0ctotal_blocks\x18\n \x01(\r\x12\x19\n\x11requests_finished\x18\x0b \x01(\x04\x12\x15\n\rprompt_tokens\x18\x0c \x01(\x04\x12\x18\n\x10generated_tokens\x18\r \x01(\x04\x12\x13\n\x0bpreemptions\x18\x0e \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0f \x01(\x04\x12\x12\n\nmodel_name\x18\x10 \x01(\t\x12\x13\n\x0b\x62usy_step_s\x18\x11 \x01(\x01\"=\n\nStatsReply\x12/\n\x08replicas\x18\x01 \x03(\x0b\x32\x1d.mii_server.wire.ReplicaStats\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\x0c\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\x0c\"x\n\x13\x43hatTemplateRequest\x12.\n\x08messages\x18\x01 \x03(\x0b\x32\x1c.mii_server.wire.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\x12\x12\n\nrequest_id\x18\x03 \x01(\x0c\"#\n\x11\x43hatTemplateReply\x12\x0e\n\x06prompt\x18\x01 \x01(\t\"\x82\x01\n\x0fTokenizeRequest\x12(\n\x07prompts\x18\x01 \x03(\x0b\x32\x17.mii_server.wire.Prompt\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\x12\x15\n\rtoken_strings\x18\x03 \x01(\x08\x12\x12\n\nrequest_id\x18\x04 \x01(\x0c\"C\n\tTokenized\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rtoken_strings\x18\x03 \x03(\t\"<\n\rTokenizeReply\x12+\n\x07prompts\x18\x01 \x03(\x0b\x32\x1a.mii_server.wire.Tokenized\"\x16\n\x14TokenizerInfoRequest\"\x87\x02\n\x12TokenizerInfoReply\x12\x17\n\x0ftokenizer_class\x18\x01 \x01(\t\x12\x16\n\tbos_token\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x16\n\teos_token\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x16\n\tpad_token\x18\x04 \x01(\tH\x02\x88\x01\x01\x12\x16\n\tunk_token\x18\x05 \x01(\tH\x03\x88\x01\x01\x12\x15\n\rchat_template\x18\x06 \x01(\t\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x12\n\nvocab_size\x18\x08 \x01(\rB\x0c\n\n_bos_tokenB\x0c\n\n_eos_tokenB\x0c\n\n_pad_tokenB\x0c\n\n_unk_token*\x90\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_NONE\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x32\xcd\x04\n\nGeneration\x12L\n\x08Generate\x12 .mii_server.wire.GenerateRequest\x1a\x1e.mii_server.wire.GenerateReply\x12Q\n\x0eGenerateStream\x12 .mii_server.wire.GenerateRequest\x1a\x1b.mii_server.wire.Completion0\x01\x12O\n\tTerminate\x12!.mii_server.wire.TerminateRequest\x1a\x1f.mii_server.wire.TerminateReply\x12\x43\n\x05Stats\x12\x1d.mii_server.wire.StatsRequest\x1a\x1b.mii_server.wire.StatsReply\x12]\n\x11\x41pplyChatTemplate\x12$.mii_server.wire.ChatTemplateRequest\x1a\".mii_server.wire.ChatTemplateReply\x12L\n\x08Tokenize\x12 .mii_server.wire.TokenizeRequest\x1a\x1e.mii_server.wire.TokenizeReply\x12[\n\rTokenizerInfo\x12%.mii_server.wire.TokenizerInfoRequest\x1a#.mii_server.wire.TokenizerInfoReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mii_server.wire.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1616
-  _globals['_FINISHREASON']._serialized_end=1760
+  _globals['_GENERATIONPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_GENERATIONPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=3224
+  _globals['_FINISHREASON']._serialized_end=3368
   _globals['_GENERATIONPARAMS']._serialized_start=54
-  _globals['_GENERATIONPARAMS']._serialized_end=572
-  _globals['_GENERATEREQUEST']._serialized_start=574
-  _globals['_GENERATEREQUEST']._serialized_end=679
-  _globals['_COMPLETION']._serialized_start=682
-  _globals['_COMPLETION']._serialized_end=862
-  _globals['_GENERATEREPLY']._serialized_start=864
-  _globals['_GENERATEREPLY']._serialized_end=929
-  _globals['_TERMINATEREQUEST']._serialized_start=931
-  _globals['_TERMINATEREQUEST']._serialized_end=949
-  _globals['_TERMINATEREPLY']._serialized_start=951
-  _globals['_TERMINATEREPLY']._serialized_end=967
-  _globals['_STATSREQUEST']._serialized_start=969
-  _globals['_STATSREQUEST']._serialized_end=983
-  _globals['_REPLICASTATS']._serialized_start=986
-  _globals['_REPLICASTATS']._serialized_end=1345
-  _globals['_STATSREPLY']._serialized_start=1347
-  _globals['_STATSREPLY']._serialized_end=1408
-  _globals['_CHATMESSAGE']._serialized_start=1410
-  _globals['_CHATMESSAGE']._serialized_end=1454
-  _globals['_CHATTEMPLATEREQUEST']._serialized_start=1456
-  _globals['_CHATTEMPLATEREQUEST']._serialized_end=1576
-  _globals['_CHATTEMPLATEREPLY']._serialized_start=1578
-  _globals['_CHATTEMPLATEREPLY']._serialized_end=1613
-  _globals['_GENERATION']._serialized_start=1763
-  _globals['_GENERATION']._serialized_end=2181
+  _globals['_GENERATIONPARAMS']._serialized_end=970
+  _globals['_GENERATIONPARAMS_LOGITBIASENTRY']._serialized_start=637
+  _globals['_GENERATIONPARAMS_LOGITBIASENTRY']._serialized_end=685
+  _globals['_TOKENIDS']._serialized_start=972
+  _globals['_TOKENIDS']._serialized_end=995
+  _globals['_PROMPT']._serialized_start=997
+  _globals['_PROMPT']._serialized_end=1077
+  _globals['_GENERATEREQUEST']._serialized_start=1080
+  _globals['_GENERATEREQUEST']._serialized_end=1216
+  _globals['_COMPLETION']._serialized_start=1219
+  _globals['_COMPLETION']._serialized_end=1525
+  _globals['_TOPLOGPROB']._serialized_start=1527
+  _globals['_TOPLOGPROB']._serialized_end=1589
+  _globals['_TOKENLOGPROB']._serialized_start=1591
+  _globals['_TOKENLOGPROB']._serialized_end=1706
+  _globals['_LOGPROBS']._serialized_start=1708
+  _globals['_LOGPROBS']._serialized_end=1766
+  _globals['_PROMPTLOGPROB']._serialized_start=1768
+  _globals['_PROMPTLOGPROB']._serialized_end=1829
+  _globals['_PROMPTLOGPROBS']._serialized_start=1831
+  _globals['_PROMPTLOGPROBS']._serialized_end=1896
+  _globals['_GENERATEREPLY']._serialized_start=1898
+  _globals['_GENERATEREPLY']._serialized_end=1963
+  _globals['_TERMINATEREQUEST']._serialized_start=1965
+  _globals['_TERMINATEREQUEST']._serialized_end=1983
+  _globals['_TERMINATEREPLY']._serialized_start=1985
+  _globals['_TERMINATEREPLY']._serialized_end=2001
+  _globals['_STATSREQUEST']._serialized_start=2003
+  _globals['_STATSREQUEST']._serialized_end=2017
+  _globals['_REPLICASTATS']._serialized_start=2020
+  _globals['_REPLICASTATS']._serialized_end=2399
+  _globals['_STATSREPLY']._serialized_start=2401
+  _globals['_STATSREPLY']._serialized_end=2462
+  _globals['_CHATMESSAGE']._serialized_start=2464
+  _globals['_CHATMESSAGE']._serialized_end=2508
+  _globals['_CHATTEMPLATEREQUEST']._serialized_start=2510
+  _globals['_CHATTEMPLATEREQUEST']._serialized_end=2630
+  _globals['_CHATTEMPLATEREPLY']._serialized_start=2632
+  _globals['_CHATTEMPLATEREPLY']._serialized_end=2667
+  _globals['_TOKENIZEREQUEST']._serialized_start=2670
+  _globals['_TOKENIZEREQUEST']._serialized_end=2800
+  _globals['_TOKENIZED']._serialized_start=2802
+  _globals['_TOKENIZED']._serialized_end=2869
+  _globals['_TOKENIZEREPLY']._serialized_start=2871
+  _globals['_TOKENIZEREPLY']._serialized_end=2931
+  _globals['_TOKENIZERINFOREQUEST']._serialized_start=2933
+  _globals['_TOKENIZERINFOREQUEST']._serialized_end=2955
+  _globals['_TOKENIZERINFOREPLY']._serialized_start=2958
+  _globals['_TOKENIZERINFOREPLY']._serialized_end=3221
+  _globals['_GENERATION']._serialized_start=3371
+  _globals['_GENERATION']._serialized_end=3960
 # @@protoc_insertion_point(module_scope)

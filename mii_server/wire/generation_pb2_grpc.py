@@ -59,6 +59,16 @@ class GenerationStub:
                 request_serializer=mii__server_dot_wire_dot_generation__pb2.ChatTemplateRequest.SerializeToString,
                 response_deserializer=mii__server_dot_wire_dot_generation__pb2.ChatTemplateReply.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/mii_server.wire.Generation/Tokenize',
+                request_serializer=mii__server_dot_wire_dot_generation__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=mii__server_dot_wire_dot_generation__pb2.TokenizeReply.FromString,
+                _registered_method=True)
+        self.TokenizerInfo = channel.unary_unary(
+                '/mii_server.wire.Generation/TokenizerInfo',
+                request_serializer=mii__server_dot_wire_dot_generation__pb2.TokenizerInfoRequest.SerializeToString,
+                response_deserializer=mii__server_dot_wire_dot_generation__pb2.TokenizerInfoReply.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -100,6 +110,21 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """Text to token ids, and token ids to text, with the model's tokenizer (one replica answers; the
+        front ends serve /tokenize and /detokenize with it and stay free of tokenizers).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TokenizerInfo(self, request, context):
+        """The tokenizer's special tokens and chat template, the vocabulary size and the model's context.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +152,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.ApplyChatTemplate,
                     request_deserializer=mii__server_dot_wire_dot_generation__pb2.ChatTemplateRequest.FromString,
                     response_serializer=mii__server_dot_wire_dot_generation__pb2.ChatTemplateReply.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=mii__server_dot_wire_dot_generation__pb2.TokenizeRequest.FromString,
+                    response_serializer=mii__server_dot_wire_dot_generation__pb2.TokenizeReply.SerializeToString,
+            ),
+            'TokenizerInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.TokenizerInfo,
+                    request_deserializer=mii__server_dot_wire_dot_generation__pb2.TokenizerInfoRequest.FromString,
+                    response_serializer=mii__server_dot_wire_dot_generation__pb2.TokenizerInfoReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +299,60 @@ class Generation:
             '/mii_server.wire.Generation/ApplyChatTemplate',
             mii__server_dot_wire_dot_generation__pb2.ChatTemplateRequest.SerializeToString,
             mii__server_dot_wire_dot_generation__pb2.ChatTemplateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mii_server.wire.Generation/Tokenize',
+            mii__server_dot_wire_dot_generation__pb2.TokenizeRequest.SerializeToString,
+            mii__server_dot_wire_dot_generation__pb2.TokenizeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TokenizerInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mii_server.wire.Generation/TokenizerInfo',
+            mii__server_dot_wire_dot_generation__pb2.TokenizerInfoRequest.SerializeToString,
+            mii__server_dot_wire_dot_generation__pb2.TokenizerInfoReply.FromString,
             options,
             channel_credentials,
             insecure,

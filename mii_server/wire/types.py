@@ -3,9 +3,11 @@ to and from the protobuf messages."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..generation.response import Response
+
+Prompt = str | list[int]  # text, or token ids (checked against the vocabulary by the replica)
 
 
 @dataclass
@@ -46,3 +48,27 @@ class ReplicaStats(EngineStats):
     prompts_received: int = 0  # prompts this replica process accepted since it started
     prompts_routed: int = 0  # prompts the load balancer sent to this replica slot, across restarts
     busy_step_s: float = 0.0  # seconds the engine's current step has been running; 0 between steps
+    model_name: str = ""  # the model id the replica serves (a metrics label)
+
+
+@dataclass
+class Tokenized:
+    """One prompt through the tokenizer (the Tokenize RPC): its ids, its text, and each token's text."""
+
+    token_ids: list[int]
+    text: str  # the text given, or the ids decoded
+    token_strings: list[str] = field(default_factory=list)  # each id decoded alone, when asked for
+
+
+@dataclass
+class TokenizerInfo:
+    """What clients probe about the tokenizer (vLLM's ``/tokenizer_info``) and the model's context."""
+
+    tokenizer_class: str
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    unk_token: str | None
+    chat_template: str  # empty: the model has none
+    max_model_len: int  # the context length, in tokens
+    vocab_size: int  # valid token ids are 0 .. vocab_size - 1

@@ -45,13 +45,13 @@ class FakeReplica(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         await self._unless_frozen()
         out = []
-        for i, prompt in enumerate(request.prompts):
+        for i, prompt in enumerate(convert.prompts_from_proto(request.prompts)):
             text = await self._text(prompt, context)
             out.append(convert.completion_to_proto(Response(text, len(prompt), len(text), FinishReason.STOP), i))
         return pb.GenerateReply(completions=out)
 
     async def GenerateStream(self, request, context) -> AsyncIterator[pb.Completion]:
-        texts = [await self._text(p, context) for p in request.prompts]
+        texts = [await self._text(p, context) for p in convert.prompts_from_proto(request.prompts)]
         if request.params.HasField("max_new_tokens") and request.params.max_new_tokens == 999:
             try:  # endless stream: the test cancels it
                 while True:

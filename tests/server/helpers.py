@@ -10,6 +10,8 @@ from pathlib import Path
 
 from mii_server.serving.control.ports import port_is_free
 
+Metrics = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
 
 def free_port_block(count: int, host: str = "127.0.0.1") -> int:
     """A base port such that base..base+count-1 are all free now (random, so parallel runs differ)."""
@@ -122,3 +124,22 @@ def listening_addresses(pids: list[int]) -> set[tuple[str, int]]:
             mapped = getattr(address, "ipv4_mapped", None)  # a dual-stack socket bound to an IPv4 address
             found.add((str(mapped or address), int(hex_port, 16)))
     return found
+
+
+def scrape(url: str, headers: dict[str, str] | None = None) -> Metrics:
+    """A Prometheus ``/metrics`` page as {(sample name, sorted labels): value}."""
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(url, headers=headers, timeout=10).text
+    out: Metrics = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def sample(metrics: Metrics, name: str, **labels: str) -> float:
+    """The sum of ``name``'s series whose labels include ``labels`` (0 when none)."""
+    want = set(labels.items())
+    return sum(v for (n, lab), v in metrics.items() if n == name and want <= set(lab))

@@ -6,7 +6,10 @@ One deployment for the module; every test leaves it idle (nothing running, every
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,13 +17,13 @@ from pathlib import Path
 import openai
 import pytest
 import requests
-from prometheus_client.parser import text_string_to_metric_families
 
 import mii_server
 from mii_server.serving.control import registry
 from mii_server.serving.frontends.client import Client
+from mii_server.serving.frontends.http_common import server_version
 
-from .helpers import free_port_block, wait_for
+from .helpers import free_port_block, sample, scrape, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -87,19 +90,6 @@ def _ends_idle(request: pytest.FixtureRequest) -> Iterator[None]:
         wait_for(dep.idle, 60, "the replica to be idle after the test")
 
 
-def _metrics(url: str, headers: dict[str, str] | None = None) -> dict[tuple[str, tuple], float]:
-    text = requests.get(url, headers=headers, timeout=10).text
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def _sample(metrics: dict, name: str, **labels: str) -> float:
-    return metrics.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
 # ---- models, auth, errors -------------------------------------------------------------------------
 
 
@@ -112,7 +102,13 @@ def test_models_and_authentication(deployment: Deployment) -> None:
     missing = requests.post(deployment.base_url + "/v1/completions", json={"prompt": PROMPT}, timeout=10)
     assert missing.status_code == 401
     assert missing.json()["error"]["code"] == "invalid_api_key"
-    assert requests.get(deployment.base_url + "/metrics", timeout=10).status_code == 401
+    for path in ("/tokenizer_info", "/v1/models"):  # everything that is not a probe needs the key
+        assert requests.get(deployment.base_url + path, timeout=10).status_code == 401
+    assert requests.post(deployment.base_url + "/tokenize", json={"prompt": "a"}, timeout=10).status_code == 401
+    # the key rule: probes, metrics and the version are open on every process
+    assert requests.get(deployment.base_url + "/metrics", timeout=10).status_code == 200
+    assert requests.get(deployment.base_url + "/version", timeout=10).json() == {"version": server_version()}
+    assert requests.get(f"http://127.0.0.1:{deployment.metrics_port}/metrics", timeout=10).status_code == 200
     # health needs no key, and reflects the replicas
     health = requests.get(deployment.base_url + "/health", timeout=10)
     assert health.status_code == 200
@@ -128,18 +124,22 @@ def test_errors_have_openai_shape(deployment: Deployment) -> None:
     assert err.value.param == "model" and err.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as err:
         api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=3)
-    assert err.value.param == "temperature"
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, logprobs=1)
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, logprobs=True)
+    assert (err.value.param, err.value.code) == ("temperature", "invalid_value")
+    with pytest.raises(openai.BadRequestError) as err:
+        api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, suffix="!")
+    assert (err.value.param, err.value.code) == ("suffix", "unsupported_parameter")
+    with pytest.raises(openai.BadRequestError) as err:
+        api.completions.create(model=MODEL, prompt=PROMPT, max_tokens="2")  # type: ignore[arg-type]
+    assert (err.value.param, err.value.code) == ("max_tokens", "invalid_type")
     with pytest.raises(openai.BadRequestError, match="stream"):
         api.completions.create(
             model=MODEL, prompt=PROMPT, max_tokens=2, stream_options={"include_usage": True}
         )
     too_long = "fox " * 3000  # more tokens than the demo model's 2048-token context
-    with pytest.raises(openai.BadRequestError, match="max_length"):
+    with pytest.raises(openai.BadRequestError, match="max_length") as err:
         api.completions.create(model=MODEL, prompt=too_long, max_tokens=2)
+    # OpenAI's code once status.py carries ContextLengthExceeded across gRPC; until then the generic one
+    assert err.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError, match="max_length"):  # before any byte of the stream
         api.completions.create(model=MODEL, prompt=too_long, max_tokens=2, stream=True)
     with pytest.raises(openai.BadRequestError, match="maximum context length is 2048"):  # prompt fits, output not
@@ -156,6 +156,9 @@ def test_errors_have_openai_shape(deployment: Deployment) -> None:
         "param",
         "code",
     }
+    assert bad_json.json()["error"]["code"] == "invalid_json"
+    unknown_route = requests.get(deployment.base_url + "/v2/nothing", headers={"Authorization": f"Bearer {KEY}"})
+    assert unknown_route.status_code == 404 and unknown_route.json()["error"]["code"] == "not_found"
 
 
 # ---- completions ----------------------------------------------------------------------------------
@@ -295,7 +298,7 @@ def test_metrics_count_requests_and_tokens(deployment: Deployment) -> None:
     replica_url = f"http://127.0.0.1:{deployment.metrics_port}/metrics"
     gateway_url = deployment.base_url + "/metrics"
     auth = {"Authorization": f"Bearer {KEY}"}
-    before, gw_before = _metrics(replica_url), _metrics(gateway_url, auth)
+    before, gw_before = scrape(replica_url), scrape(gateway_url, auth)
     api = deployment.openai()
     prompt_tokens = 0
     for i in range(3):
@@ -304,10 +307,10 @@ def test_metrics_count_requests_and_tokens(deployment: Deployment) -> None:
         )
         assert reply.usage.completion_tokens == 5
         prompt_tokens += reply.usage.prompt_tokens
-    after, gw_after = _metrics(replica_url), _metrics(gateway_url, auth)
+    after, gw_after = scrape(replica_url), scrape(gateway_url, auth)
 
     def delta(name: str, m0: dict = before, m1: dict = after, **labels: str) -> float:
-        return _sample(m1, name, **labels) - _sample(m0, name, **labels)
+        return sample(m1, name, **labels) - sample(m0, name, **labels)
 
     assert delta("mii_server:generation_tokens_total", replica="0") == 15
     assert delta("mii_server:prompt_tokens_total", replica="0") == prompt_tokens
@@ -319,18 +322,24 @@ def test_metrics_count_requests_and_tokens(deployment: Deployment) -> None:
     ):
         assert delta(f"mii_server:{hist}_count", replica="0") == 3
     assert delta("mii_server:request_generation_tokens_sum", replica="0") == 15
-    assert _sample(after, "mii_server:num_requests_running", replica="0") == 0
-    total = _sample(after, "mii_server:kv_cache_blocks_total", replica="0")
-    assert total > 0 and _sample(after, "mii_server:kv_cache_blocks_used", replica="0") == 0
-    # the gateway counts its HTTP requests and reports the replicas' counters through the load balancer
+    assert sample(after, "mii_server:num_requests_running", replica="0") == 0
+    total = sample(after, "mii_server:kv_cache_num_blocks", replica="0", model_name=MODEL)
+    assert total > 0 and sample(after, "mii_server:kv_cache_blocks_used", replica="0") == 0
+    # gauges do not wear a counter's suffix; every engine series names the model, as vLLM's
+    engine = [(n, dict(lab)) for n, lab in after if n.startswith("mii_server:") and "replica" in dict(lab)]
+    assert engine and all(labels["model_name"] == MODEL for _, labels in engine)
+    assert not any(n.endswith("_total") for n in ("mii_server:kv_cache_num_blocks", "mii_server:num_requests_running"))
+    assert ("mii_server:kv_cache_blocks_total", (("model_name", MODEL), ("replica", "0"))) not in after
+    # one owner per metric: the front end counts its HTTP requests and reports no engine series
     ok = {"route": "/v1/completions", "status": "200"}
     assert delta("mii_server:http_requests_total", gw_before, gw_after, **ok) == 3
-    assert delta("mii_server:generation_tokens_total", gw_before, gw_after, replica="0") == 15
+    assert not [n for n, _ in gw_after if n.startswith("mii_server:generation_tokens")]
+    assert not [n for n, _ in gw_after if n.startswith("mii_server:request_failure")]
 
 
 def test_client_disconnect_mid_stream_frees_kv_blocks(deployment: Deployment) -> None:
     replica_url = f"http://127.0.0.1:{deployment.metrics_port}/metrics"
-    before = _metrics(replica_url)
+    before = scrape(replica_url)
     (idle,) = deployment.client.stats()
     # as long as the demo model's context allows, so the stream is still running when the client leaves
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
@@ -355,13 +364,199 @@ def test_client_disconnect_mid_stream_frees_kv_blocks(deployment: Deployment) ->
     wait_for(deployment.idle, 60, "KV blocks to return after the client disconnected")
     (after_stats,) = deployment.client.stats()
     assert after_stats.free_blocks == idle.free_blocks
-    after = _metrics(replica_url)
-    aborted = _sample(after, "mii_server:request_success_total", replica="0", finished_reason="abort")
+    after = scrape(replica_url)
+    aborted = sample(after, "mii_server:request_success_total", replica="0", finished_reason="abort")
     assert (
-        aborted - _sample(before, "mii_server:request_success_total", replica="0", finished_reason="abort")
+        aborted - sample(before, "mii_server:request_success_total", replica="0", finished_reason="abort")
         == 1
     )
-    generated = _sample(after, "mii_server:generation_tokens_total", replica="0") - _sample(
+    generated = sample(after, "mii_server:generation_tokens_total", replica="0") - sample(
         before, "mii_server:generation_tokens_total", replica="0"
     )
     assert 1 <= generated < 2000
+
+
+def _abandon(deployment: Deployment, path: str, body: dict) -> None:
+    """Send ``body`` from a client process that is killed (SIGKILL, as a killed curl) once the replica
+    holds KV blocks for it; then wait until the replica is idle again."""
+    (idle,) = deployment.client.stats()
+    script = (
+        "import sys, requests; requests.post(sys.argv[1], data=sys.argv[2], "
+        "headers={'Authorization': 'Bearer ' + sys.argv[3], 'Content-Type': 'application/json'}, timeout=120)"
+    )
+    caller = subprocess.Popen([sys.executable, "-c", script, deployment.base_url + path, json.dumps(body), KEY])
+    try:
+        wait_for(lambda: deployment.client.stats()[0].free_blocks < idle.free_blocks, 60, "the request to hold KV")
+    finally:
+        caller.kill()
+        caller.wait()
+    wait_for(deployment.idle, 60, "KV blocks to return after the client was killed")
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "prompts"),
+    [
+        ("/v1/completions", {"prompt": PROMPT}, 1),
+        ("/v1/completions", {"prompt": PROMPT, "n": 8}, 8),
+        ("/v1/completions", {"prompt": PROMPT, "n": 8, "seed": 5}, 8),  # eight upstream calls
+        ("/v1/chat/completions", {"messages": MESSAGES}, 1),
+    ],
+)
+def test_an_abandoned_non_streaming_request_aborts_its_prompts(
+    deployment: Deployment, path: str, body: dict, prompts: int
+) -> None:
+    replica_url = f"http://127.0.0.1:{deployment.metrics_port}/metrics"
+    before = scrape(replica_url)
+    _abandon(deployment, path, {"model": MODEL, "max_tokens": 2000, "ignore_eos": True, **body})
+    after = scrape(replica_url)
+
+    def delta(name: str, **labels: str) -> float:
+        return sample(after, name, **labels) - sample(before, name, **labels)
+
+    assert delta("mii_server:request_success_total", finished_reason="abort") == prompts
+    assert delta("mii_server:request_success_total", finished_reason="length") == 0
+    assert delta("mii_server:generation_tokens_total") < 2000 * prompts
+
+
+# ---- log-probabilities, echo, sampling controls -------------------------------------------------------
+
+
+def _close(a: float | None, b: float | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and abs(a - b) < 1e-3)
+
+
+def test_completion_logprobs_are_the_engines(deployment: Deployment, pipe: object) -> None:
+    (want,) = pipe([PROMPT], max_new_tokens=6, do_sample=False, logprobs=2)
+    got = deployment.openai().completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2)
+    lp = got.choices[0].logprobs
+    assert lp.tokens == [e.token for e in want.logprobs]
+    assert all(_close(a, e.logprob) for a, e in zip(lp.token_logprobs, want.logprobs, strict=True))
+    for top, e in zip(lp.top_logprobs, want.logprobs, strict=True):
+        # the chosen token and the 2 most likely (fewer keys when they coincide or decode alike)
+        assert e.token in top and 1 <= len(top) <= 3
+        assert all(_close(top[t.token], t.logprob) for t in e.top_logprobs if t.token != e.token)
+    offsets = lp.text_offset
+    assert offsets[0] == 0 and all(b - a == len(t) for a, b, t in zip(offsets, offsets[1:], lp.tokens))
+
+
+def test_echo_logprobs_give_the_prompts_log_likelihood(deployment: Deployment, pipe: object) -> None:
+    """What lm-evaluation-harness's local-completions sends for a log-likelihood request."""
+    (want,) = pipe([PROMPT], max_new_tokens=1, do_sample=False, prompt_logprobs=1, logprobs=1)
+    api = deployment.openai()
+    for max_tokens in (1, 0):
+        got = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens, temperature=0, logprobs=1, echo=True, seed=1234)
+        choice = got.choices[0]
+        lp = choice.logprobs
+        n = want.prompt_length
+        assert len(lp.tokens) == n + max_tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing precedes the first token
+        assert all(_close(a, e.logprob) for a, e in zip(lp.token_logprobs[1:n], want.prompt_logprobs[1:], strict=True))
+        assert lp.tokens[1:n] == [e.token for e in want.prompt_logprobs[1:]]
+        assert choice.text == PROMPT + (want.generated_text if max_tokens else "")
+        assert got.usage.completion_tokens == max_tokens and got.usage.prompt_tokens == n
+        assert choice.finish_reason == "length"
+    chat = api.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 3 and c.bytes == list(c.token.encode()) for c in content)
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+
+
+def test_streamed_logprobs_add_up_to_the_whole(deployment: Deployment) -> None:
+    api = deployment.openai()
+    kwargs = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 1, "echo": True}
+    whole = api.completions.create(**kwargs).choices[0]
+    tokens, values, offsets, text = [], [], [], ""
+    for chunk in api.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            text += c.text
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                values += c.logprobs.token_logprobs
+                offsets += c.logprobs.text_offset
+    assert text == whole.text and tokens == whole.logprobs.tokens and offsets == whole.logprobs.text_offset
+    assert all(_close(a, b) for a, b in zip(values, whole.logprobs.token_logprobs, strict=True))
+    chat = list(
+        api.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True, stream=True
+        )
+    )
+    entries = [e for c in chat if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert len(entries) == 5
+
+
+def test_sampling_controls_are_honoured(deployment: Deployment, pipe: object) -> None:
+    api = deployment.openai()
+    controls = {"presence_penalty": 1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3}
+    (want,) = pipe([PROMPT], max_new_tokens=24, do_sample=False, ignore_eos=True, **controls)
+    (plain,) = pipe([PROMPT], max_new_tokens=24, do_sample=False, ignore_eos=True)
+    assert want.token_ids != plain.token_ids  # the penalties change this greedy output
+    got = api.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, presence_penalty=1.5, frequency_penalty=0.5,
+        extra_body={"repetition_penalty": 1.3, "ignore_eos": True},
+    )  # fmt: skip
+    assert got.choices[0].text == want.generated_text
+    # logit_bias forces a token; min_p is accepted
+    forced = api.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logit_bias={"65": 100},
+        extra_body={"min_p": 0.1, "ignore_eos": True}, logprobs=0,
+    )  # fmt: skip
+    assert [forced.choices[0].logprobs.tokens] == [[pipe.tokenizer.decode([65])] * 3]
+
+
+def test_cached_prompt_tokens_are_reported(deployment: Deployment) -> None:
+    api = deployment.openai()
+    prompt = "A long shared prefix that fills several KV blocks. " * 8
+    first = api.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    again = api.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.prompt_tokens
+
+
+# ---- token ids, tokenizer endpoints, models, roles -------------------------------------------------
+
+
+def test_token_id_prompts(deployment: Deployment) -> None:
+    api = deployment.openai()
+    ids = deployment.client.tokenize(PROMPT)[0].token_ids
+    by_text = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+    by_ids = api.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0, echo=True)
+    assert by_ids.choices[0].text == PROMPT + by_text.choices[0].text  # echo gives the ids' text
+    both = api.completions.create(model=MODEL, prompt=[ids, ids[:3]], max_tokens=2, temperature=0)
+    assert [c.index for c in both.choices] == [0, 1] and both.usage.prompt_tokens == len(ids) + 3
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        api.completions.create(model=MODEL, prompt=[ids[0], 10**9], max_tokens=2)
+    assert deployment.client.generate([ids], max_new_tokens=6, do_sample=False)[0].generated_text == by_text.choices[0].text
+
+
+def test_tokenizer_endpoints(deployment: Deployment, pipe: object) -> None:
+    auth = {"Authorization": f"Bearer {KEY}"}
+    url = deployment.base_url
+    tok = requests.post(url + "/tokenize", json={"prompt": PROMPT, "return_token_strs": True}, headers=auth).json()
+    assert tok["tokens"] == pipe.tokenizer.encode(PROMPT) and tok["count"] == len(tok["tokens"])
+    assert tok["max_model_len"] == 2048 and tok["token_strs"] == [pipe.tokenizer.decode([t]) for t in tok["tokens"]]
+    chat = requests.post(url + "/tokenize", json={"messages": MESSAGES}, headers=auth).json()
+    rendered = deployment.client.apply_chat_template([(m["role"], m["content"]) for m in MESSAGES])
+    assert chat["tokens"] == pipe.tokenizer.encode(rendered, add_special_tokens=False)
+    back = requests.post(url + "/detokenize", json={"tokens": tok["tokens"]}, headers=auth).json()
+    assert back == {"prompt": PROMPT}
+    bad = requests.post(url + "/detokenize", json={"tokens": [10**9]}, headers=auth)
+    assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]
+    info = requests.get(url + "/tokenizer_info", headers=auth).json()
+    assert info["eos_token"] == pipe.tokenizer.eos_token and info["chat_template"] == pipe.tokenizer.chat_template
+    assert info["model_max_length"] == 2048 and info["vocab_size"] == len(pipe.tokenizer)
+
+
+def test_models_retrieve_and_the_developer_role(deployment: Deployment) -> None:
+    api = deployment.openai()
+    assert api.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        api.models.retrieve("other")
+    as_system = api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0)
+    developer = [{"role": "developer", "content": MESSAGES[0]["content"]}, MESSAGES[1]]
+    as_developer = api.chat.completions.create(model=MODEL, messages=developer, max_tokens=6, temperature=0)
+    assert as_developer.choices[0].message.content == as_system.choices[0].message.content
+    assert as_developer.usage.prompt_tokens == as_system.usage.prompt_tokens

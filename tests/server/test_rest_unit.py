@@ -26,7 +26,7 @@ class StandInClient:
         self.calls.append((prompts, kwargs))
         if prompts == ["overload"]:
             raise CapacityExceeded("busy")
-        return [Response(p.upper(), 1, 1, FinishReason.STOP, [1]) for p in prompts]
+        return [Response(p.upper() if isinstance(p, str) else str(p), 1, 1, FinishReason.STOP, [1]) for p in prompts]
 
     def agenerate_stream(self, prompts, request_id="", **kwargs):
         GenerateParams.from_kwargs(**kwargs)
@@ -79,7 +79,9 @@ def test_plain_request(http) -> None:
         ("{nope", "not valid JSON"),
         ("[1, 2]", "JSON object"),
         ('{"max_new_tokens": 3}', 'lacks \\"prompts\\"'),
-        ('{"prompts": [1, 2]}', "list of strings"),
+        ('{"prompts": [1.5, 2]}', "must be a string or a list of token ids"),
+        ('{"prompts": 7}', "must be a string, a list of strings, or token ids"),
+        ('{"prompts": [[1, 9223372036854775808]]}', "token id 9223372036854775808"),
         ('{"prompts": ["a"], "stream": "yes"}', "stream"),
         ('{"prompts": ["a"], "max_new_tokns": 3}', "max_new_tokns"),
         ('{"prompts": ["a"], "max_new_tokens": "ten"}', "max_new_tokens"),
@@ -99,8 +101,10 @@ def test_other_statuses(http) -> None:
     reply = client.post("/mii/dep", data='{"prompts": ["overload"]}')
     assert reply.status_code == 503 and reply.get_json()["error"] == {
         "type": "CapacityExceeded",
+        "code": "overloaded",
         "message": "busy",
     }
+    assert reply.headers["Retry-After"] == "1"
     assert client.get("/mii/dep").status_code == 405
     assert client.get("/healthz").get_json() == {"status": "ok"}
 

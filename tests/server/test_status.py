@@ -57,7 +57,7 @@ def test_types_and_messages_survive_the_wire(bg: LoopThread) -> None:
         for exc, code, _ in CASES:
             raiser.exc = exc
             with pytest.raises(grpc.RpcError) as info:
-                stub.Generate(pb.GenerateRequest(prompts=["x"]))
+                stub.Generate(pb.GenerateRequest())
             assert info.value.code() == code
             back = error_from_rpc(info.value)
             if isinstance(exc, errors.MIIServerError):
@@ -72,7 +72,7 @@ def test_unreachable_server_is_replica_unavailable() -> None:
     port = free_port_block(1)
     stub = generation_pb2_grpc.GenerationStub(grpc_common.channel(f"127.0.0.1:{port}"))
     with pytest.raises(grpc.RpcError) as info:
-        stub.Generate(pb.GenerateRequest(prompts=["x"]), timeout=5)
+        stub.Generate(pb.GenerateRequest(), timeout=5)
     err = error_from_rpc(info.value, f"127.0.0.1:{port}")
     assert isinstance(err, errors.ReplicaUnavailable) and f"127.0.0.1:{port}" in str(err)
 

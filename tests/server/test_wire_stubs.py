@@ -49,5 +49,7 @@ def test_service_has_the_rpcs_the_servers_implement() -> None:
         "Terminate",
         "Stats",
         "ApplyChatTemplate",
+        "Tokenize",
+        "TokenizerInfo",
     ]
     assert hasattr(generation_pb2_grpc, "GenerationStub")

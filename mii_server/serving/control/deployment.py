@@ -75,6 +75,18 @@ class DeploymentConfig(BaseModel):
         "keys in $MII_SERVER_API_KEY (comma-separated) count too. No key anywhere: no authentication. "
         "Never put a key itself in the config: it travels on command lines.",
     )
+    allowed_origins: list[str] = Field(
+        default_factory=list,
+        description="Origins (scheme://host[:port], or * for any) whose browser apps may call the REST gateway "
+        "and the OpenAI server directly (CORS); empty: CORS off.",
+    )
+    max_request_body_bytes: int = Field(
+        default=32 * 2**20,
+        ge=1024,
+        le=2**27,
+        description="Largest HTTP request body the REST gateway and the OpenAI server accept; a larger one is "
+        "refused with 413 before it is read whole. At most 128 MiB (a gRPC message's limit).",
+    )
     enable_metrics: bool = Field(
         default=True, description="Serve Prometheus /metrics and /health over HTTP from every replica."
     )

@@ -67,6 +67,7 @@ class ReplicaRole(_Role):
         json_schema_extra=FLAG,
     )
     replica_index: int = Field(default=0, ge=0, description="Which replica of the deployment (metrics label, logs).")
+    served_model: str = Field(default="", description="DeploymentConfig.served_model: the model id (a metrics label).")
     max_queued_requests: int | None = Field(default=1024, ge=0, description="DeploymentConfig.max_queued_requests.")
     registry_dir: str = Field(default="", description="The deployment's registry (tells its processes apart).")
     rank_log_dir: str = Field(
@@ -89,6 +90,7 @@ class ReplicaRole(_Role):
             port=cfg.replica_ports[index],
             metrics_port=metrics[index] if metrics else None,
             replica_index=index,
+            served_model=cfg.served_model,
             max_queued_requests=cfg.max_queued_requests,
             registry_dir=cfg.registry_dir,
             rank_log_dir=str(registry.log_dir(cfg.deployment_name, cfg.registry_dir)),
@@ -102,6 +104,7 @@ class ReplicaRole(_Role):
             "model": cfg.model,
             "host": cfg.host,
             "metrics_port": cfg.metrics_port if cfg.enable_metrics else None,
+            "served_model": cfg.served_model,
             "max_queued_requests": cfg.max_queued_requests,
         }
         return cls._validated({**base, **flags})
@@ -157,6 +160,12 @@ class GatewayRole(_Role):
     served_model: str = Field(description="The model id of the OpenAI API.")
     api_key_file: str = Field(default="", description="DeploymentConfig.api_key_file.")
     rest_threads: int = Field(ge=1, description="The REST gateway's WSGI threads (DeploymentConfig.rest_gateway_threads).")
+    allowed_origins: list[str] = Field(
+        default_factory=list, description="DeploymentConfig.allowed_origins: CORS origins (empty: off).", json_schema_extra=FLAG
+    )
+    max_request_body_bytes: int = Field(
+        default=32 * 2**20, ge=1024, le=2**27, description="DeploymentConfig.max_request_body_bytes."
+    )
 
     @model_validator(mode="after")
     def _serves_something(self) -> GatewayRole:
@@ -194,4 +203,10 @@ def _balancing(cfg: DeploymentConfig) -> dict[str, Any]:
 
 
 def _fronting(cfg: DeploymentConfig) -> dict[str, Any]:
-    return {"served_model": cfg.served_model, "api_key_file": cfg.api_key_file, "rest_threads": cfg.rest_gateway_threads}
+    return {
+        "served_model": cfg.served_model,
+        "api_key_file": cfg.api_key_file,
+        "rest_threads": cfg.rest_gateway_threads,
+        "allowed_origins": cfg.allowed_origins,
+        "max_request_body_bytes": cfg.max_request_body_bytes,
+    }

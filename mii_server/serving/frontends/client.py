@@ -6,6 +6,10 @@ typed error the server raised, with its message (``status.error_from_rpc``).
 
 Streaming yields ``StreamChunk`` objects: ``Response`` deltas whose ``prompt_index`` names the prompt
 (chunks of different prompts interleave; each prompt's last chunk has ``finish_reason != NONE``).
+
+A prompt is text or a list of token ids (checked against the vocabulary by the replica):
+``generate("text")``, ``generate(["a", "b"])``, ``generate([1, 2, 3])`` (one prompt of ids) and
+``generate([[1, 2], [3]])`` (two) all work.
 """
 
 from __future__ import annotations
@@ -18,25 +22,18 @@ from typing import Any
 
 import grpc
 
-from ...errors import InvalidRequest, ReplicaUnavailable
+from ...errors import ReplicaUnavailable
 from ...generation.params import GenerateParams
 from ...generation.response import Response
 from ...wire import convert, generation_pb2_grpc
 from ...wire import generation_pb2 as pb
-from ...wire.types import ReplicaStats, StreamChunk
+from ...wire.prompts import Prompts, prompt_list
+from ...wire.types import Prompt, ReplicaStats, StreamChunk, Tokenized, TokenizerInfo
 from .. import grpc_common
 from ..control import registry
 from ..status import error_from_rpc
 
 TERMINATE_WAIT_S = 120.0
-
-
-def _prompt_list(prompts: str | list[str]) -> list[str]:
-    prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
-    if not all(isinstance(p, str) for p in prompt_list):
-        raise InvalidRequest("prompts must be a string or a list of strings")
-    return prompt_list
-
 
 class Client:
     """A connection to one deployment (its load balancer at ``address``, ``host:port``)."""
@@ -67,7 +64,7 @@ class Client:
     # ---- sync -------------------------------------------------------------------------------
     def generate(
         self,
-        prompts: str | list[str],
+        prompts: Prompts,
         *,
         streaming_fn: Callable[[list[Response]], None] | None = None,
         request_id: str = "",
@@ -85,26 +82,26 @@ class Client:
                 streaming_fn([chunk])
                 chunks.setdefault(chunk.prompt_index, []).append(chunk)
             return [Response.join(chunks[i]) for i in sorted(chunks)]
-        prompt_list, request = self._request(prompts, generate_kwargs, request_id)
-        if not prompt_list:
+        prompts_, request = self._request(prompts, generate_kwargs, request_id)
+        if not prompts_:
             return []
         try:
             reply = self._stub.Generate(request, timeout=self.timeout)
         except grpc.RpcError as err:
             raise error_from_rpc(err, self.address) from None
-        return convert.reply_from_proto(reply, len(prompt_list))
+        return convert.reply_from_proto(reply, len(prompts_))
 
     __call__ = generate  # MII's client is callable too
 
     def generate_stream(
-        self, prompts: str | list[str], *, request_id: str = "", **generate_kwargs: Any
+        self, prompts: Prompts, *, request_id: str = "", **generate_kwargs: Any
     ) -> Iterator[StreamChunk]:
         """Incremental chunks for every prompt as they are produced (see the module docstring).
 
         Kwargs are validated now; breaking out of the loop cancels the request on the server.
         """
-        prompt_list, request = self._request(prompts, generate_kwargs, request_id)
-        return self._stream(request) if prompt_list else iter(())
+        prompts_, request = self._request(prompts, generate_kwargs, request_id)
+        return self._stream(request) if prompts_ else iter(())
 
     def _stream(self, request: pb.GenerateRequest) -> Iterator[StreamChunk]:
         call = self._stub.GenerateStream(request, timeout=self.timeout)
@@ -127,6 +124,32 @@ class Client:
         except grpc.RpcError as err:
             raise error_from_rpc(err, self.address) from None
         return convert.chat_prompt_from_proto(reply)
+
+    def tokenize(
+        self,
+        prompts: Prompts,
+        *,
+        add_special_tokens: bool = True,
+        token_strings: bool = False,
+        request_id: str = "",
+    ) -> list[Tokenized]:
+        """Each prompt through the model's tokenizer (on a replica): text is encoded (with the special
+        tokens the tokenizer adds, such as BOS, unless ``add_special_tokens=False``), token ids are
+        checked against the vocabulary and decoded. ``token_strings``: also each token decoded alone."""
+        request = self._tokenize_request(prompts, add_special_tokens, token_strings, request_id)
+        try:
+            reply = self._stub.Tokenize(request, timeout=self.timeout)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, self.address) from None
+        return convert.tokenized_from_proto(reply)
+
+    def tokenizer_info(self) -> TokenizerInfo:
+        """The tokenizer's special tokens and chat template, the vocabulary size and the context length."""
+        try:
+            reply = self._stub.TokenizerInfo(pb.TokenizerInfoRequest(), timeout=self.timeout)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, self.address) from None
+        return convert.tokenizer_info_from_proto(reply)
 
     def stats(self, timeout: float = 30.0) -> list[ReplicaStats]:
         """Counters of every replica (down ones have ``healthy=False``)."""
@@ -199,24 +222,24 @@ class Client:
 
     # ---- asyncio ----------------------------------------------------------------------------
     async def agenerate(
-        self, prompts: str | list[str], *, request_id: str = "", **generate_kwargs: Any
+        self, prompts: Prompts, *, request_id: str = "", **generate_kwargs: Any
     ) -> list[Response]:
         """Async twin of ``generate``; cancelling the awaiting task cancels the request on the server."""
-        prompt_list, request = self._request(prompts, generate_kwargs, request_id)
-        if not prompt_list:
+        prompts_, request = self._request(prompts, generate_kwargs, request_id)
+        if not prompts_:
             return []
         try:
             reply = await self._aio_stub().Generate(request, timeout=self.timeout)
         except grpc.RpcError as err:
             raise error_from_rpc(err, self.address) from None
-        return convert.reply_from_proto(reply, len(prompt_list))
+        return convert.reply_from_proto(reply, len(prompts_))
 
     def agenerate_stream(
-        self, prompts: str | list[str], *, request_id: str = "", **generate_kwargs: Any
+        self, prompts: Prompts, *, request_id: str = "", **generate_kwargs: Any
     ) -> AsyncIterator[StreamChunk]:
         """Async twin of ``generate_stream`` (``async for chunk in client.agenerate_stream(...)``)."""
-        prompt_list, request = self._request(prompts, generate_kwargs, request_id)
-        return self._astream(request, bool(prompt_list))
+        prompts_, request = self._request(prompts, generate_kwargs, request_id)
+        return self._astream(request, bool(prompts_))
 
     async def _astream(self, request: pb.GenerateRequest, any_prompt: bool) -> AsyncIterator[StreamChunk]:
         if not any_prompt:
@@ -231,11 +254,11 @@ class Client:
             call.cancel()
 
     def astream(
-        self, prompts: list[str], params: GenerateParams, *, request_id: str = ""
+        self, prompts: list[Prompt], params: GenerateParams, *, request_id: str = ""
     ) -> AsyncIterator[StreamChunk]:
         """Stream with already validated ``params`` (what the HTTP front ends call). Closing the iterator,
         or cancelling the task that reads it, cancels the call, which aborts its prompts on the replicas."""
-        return self._astream(convert.request_to_proto(_prompt_list(prompts), params, request_id), bool(prompts))
+        return self._astream(convert.request_to_proto(prompt_list(prompts), params, request_id), bool(prompts))
 
     async def aapply_chat_template(self, messages: list[tuple[str, str]], *, request_id: str = "") -> str:
         """Async twin of ``apply_chat_template``."""
@@ -245,6 +268,30 @@ class Client:
         except grpc.RpcError as err:
             raise error_from_rpc(err, self.address) from None
         return convert.chat_prompt_from_proto(reply)
+
+    async def atokenize(
+        self,
+        prompts: Prompts,
+        *,
+        add_special_tokens: bool = True,
+        token_strings: bool = False,
+        request_id: str = "",
+    ) -> list[Tokenized]:
+        """Async twin of ``tokenize``."""
+        request = self._tokenize_request(prompts, add_special_tokens, token_strings, request_id)
+        try:
+            reply = await self._aio_stub().Tokenize(request, timeout=self.timeout)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, self.address) from None
+        return convert.tokenized_from_proto(reply)
+
+    async def atokenizer_info(self) -> TokenizerInfo:
+        """Async twin of ``tokenizer_info``."""
+        try:
+            reply = await self._aio_stub().TokenizerInfo(pb.TokenizerInfoRequest(), timeout=self.timeout)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, self.address) from None
+        return convert.tokenizer_info_from_proto(reply)
 
     async def astats(self, timeout: float = 30.0) -> list[ReplicaStats]:
         """Async twin of ``stats``."""
@@ -264,8 +311,16 @@ class Client:
 
     # ---- helpers ----------------------------------------------------------------------------
     def _request(
-        self, prompts: str | list[str], kwargs: dict[str, Any], request_id: str = ""
-    ) -> tuple[list[str], pb.GenerateRequest]:
-        prompt_list = _prompt_list(prompts)
+        self, prompts: Prompts, kwargs: dict[str, Any], request_id: str = ""
+    ) -> tuple[list[Prompt], pb.GenerateRequest]:
+        prompts_ = prompt_list(prompts)
         params = GenerateParams.from_kwargs(**kwargs)
-        return prompt_list, convert.request_to_proto(prompt_list, params, request_id)
+        return prompts_, convert.request_to_proto(prompts_, params, request_id)
+
+    @staticmethod
+    def _tokenize_request(
+        prompts: Prompts, add_special_tokens: bool, token_strings: bool, request_id: str
+    ) -> pb.TokenizeRequest:
+        return convert.tokenize_request_to_proto(
+            prompt_list(prompts), add_special_tokens=add_special_tokens, token_strings=token_strings, request_id=request_id
+        )

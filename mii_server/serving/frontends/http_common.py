@@ -1,4 +1,5 @@
-"""What both HTTP front ends share: API keys, request ids, the access log and HTTP metrics, health, SSE.
+"""What both HTTP front ends share: API keys, request ids, the access log and HTTP metrics, health, SSE,
+the error ``code`` rule, CORS and the request body limit.
 
 No torch and no web framework: the REST gateway (Flask) and the OpenAI-compatible server (FastAPI)
 each adapt ``HttpInstrumentation`` to their framework's hooks in a few lines, so a request is
@@ -8,18 +9,18 @@ identified, authenticated, logged and counted the same way whichever server it r
 from __future__ import annotations
 
 import hmac
+import importlib.metadata
 import json
 import logging
 import os
-import re
 import time
-import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ...errors import InvalidRequest
+from ...wire.request_ids import request_id_from
 from ...wire.types import ReplicaStats
 from ..metrics import HttpMetrics
 
@@ -27,10 +28,11 @@ log = logging.getLogger(__name__)
 
 API_KEY_ENV = "MII_SERVER_API_KEY"
 REQUEST_ID_HEADER = "X-Request-Id"
-_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 HEALTH_TIMEOUT_S = 2.0
 RETRY_AFTER_S = 1  # what a 503 tells the caller to wait
-UNAUTHENTICATED = frozenset({"/health", "/healthz"})  # probes need no key
+# Open without a key: the probes, the metrics (counts and latencies, no content: as vLLM, so a
+# Prometheus scrape needs no secret) and the version. Everything else needs the key once one is set.
+UNAUTHENTICATED = frozenset({"/health", "/healthz", "/metrics", "/version"})
 CLIENT_GONE_STATUS = 499  # nginx's "client closed request", for logs and metrics only
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SSE_DONE = "data: [DONE]\n\n"
@@ -71,13 +73,6 @@ class ApiKeys:
         for key in self._keys:
             ok |= hmac.compare_digest(presented, key)
         return ok
-
-
-def request_id_from(header: str | None) -> str:
-    """The caller's ``X-Request-Id`` when it is a sane token, else a fresh one (uuid4 hex)."""
-    if header and _REQUEST_ID_RE.match(header):
-        return header
-    return uuid.uuid4().hex
 
 
 @dataclass
@@ -125,6 +120,14 @@ class HttpInstrumentation:
         )
 
 
+def server_version() -> str:
+    """The installed mii-server's version (``/version``)."""
+    try:
+        return importlib.metadata.version("mii-server")
+    except importlib.metadata.PackageNotFoundError:  # a plain checkout on PYTHONPATH
+        return "unknown"
+
+
 def deployment_health(replicas: Sequence[ReplicaStats]) -> tuple[bool, dict[str, Any]]:
     """(healthy, detail): healthy when at least one replica has its engine loaded and is routed to."""
     healthy = sum(1 for r in replicas if r.healthy)
@@ -147,3 +150,103 @@ def error_headers(status: int) -> dict[str, str]:
 def sse_event(body: Any, event: str | None = None) -> str:
     """One server-sent event carrying ``body`` as JSON."""
     return (f"event: {event}\n" if event else "") + f"data: {json.dumps(body)}\n\n"
+
+
+# ---- the error `code` rule ------------------------------------------------------------------------
+
+# Every error body of both front ends has a ``code``, never null: OpenAI's code where OpenAI has one for
+# the case, else one of ours. By error type name, most specific first (an error rebuilt from gRPC keeps
+# the type the replica raised).
+_CODES = {
+    "InvalidJson": "invalid_json",
+    "ContextLengthExceeded": "context_length_exceeded",  # OpenAI's
+    "UnknownArgument": "unknown_parameter",  # OpenAI's
+    "InvalidRequest": "invalid_value",  # OpenAI's
+    "UnsupportedModel": "invalid_value",
+    "CapacityExceeded": "overloaded",
+    "ReplicaUnavailable": "unavailable",
+    "EngineDead": "unavailable",
+    "DeploymentNotFound": "not_found",
+}
+INVALID_JSON = "invalid_json"  # the body is not JSON (or nested too deep to parse)
+REQUEST_TOO_LARGE = "request_too_large"  # 413
+INVALID_API_KEY = "invalid_api_key"  # OpenAI's; 401
+NOT_FOUND = "not_found"  # no such route
+METHOD_NOT_ALLOWED = "method_not_allowed"
+ORIGIN_NOT_ALLOWED = "origin_not_allowed"  # a CORS preflight from an origin not in allowed_origins
+INTERNAL_ERROR = "internal_error"
+CLIENT_DISCONNECTED = "client_disconnected"  # metrics and logs only: nobody reads the body
+
+
+class InvalidJson(InvalidRequest):
+    """A request body that is not JSON (bad syntax, bad UTF-8, or nested too deep to parse)."""
+
+
+def error_code(exc: BaseException) -> str:
+    """The ``code`` of a typed error's body (``internal_error`` for anything untyped)."""
+    for cls in type(exc).__mro__:
+        if cls.__name__ in _CODES:
+            return _CODES[cls.__name__]
+    return INTERNAL_ERROR
+
+
+# ---- request body limit ---------------------------------------------------------------------------
+
+
+def too_large_message(limit: int) -> str:
+    return f"the request body is larger than this server accepts ({limit} bytes; max_request_body_bytes)"
+
+
+# ---- CORS -----------------------------------------------------------------------------------------
+
+CORS_METHODS = "GET, POST, OPTIONS"
+CORS_DEFAULT_HEADERS = "Authorization, Content-Type, X-Request-Id"
+CORS_MAX_AGE_S = 600
+
+
+class CorsPolicy:
+    """Opt-in CORS (``allowed_origins``): browser apps on those origins may call the API directly.
+
+    Off (no origin listed): no CORS header is ever sent and an OPTIONS request is answered like any
+    other method a route lacks. On: a request whose ``Origin`` is listed (or any, with ``*``) gets
+    ``Access-Control-Allow-Origin``; a preflight (OPTIONS with ``Access-Control-Request-Method``) is
+    answered 204 before authentication (browsers send no key on it), or 403 for an unlisted origin.
+    No credentials mode: the API key travels in ``Authorization``, which the preflight allows.
+    """
+
+    def __init__(self, allowed_origins: Sequence[str] = ()) -> None:
+        self.origins = frozenset(o.rstrip("/") for o in allowed_origins if o)
+        self.any_origin = "*" in self.origins
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.origins)
+
+    def allows(self, origin: str | None) -> bool:
+        return bool(origin) and (self.any_origin or origin in self.origins)
+
+    @staticmethod
+    def is_preflight(method: str, headers: Mapping[str, str]) -> bool:
+        """``headers`` with lower-case names."""
+        return method == "OPTIONS" and "origin" in headers and "access-control-request-method" in headers
+
+    def headers_for(self, origin: str | None) -> dict[str, str]:
+        """The CORS headers of a reply to a request from ``origin`` (none when off or not listed)."""
+        if not self.enabled or not self.allows(origin):
+            return {}
+        return {
+            "Access-Control-Allow-Origin": "*" if self.any_origin else str(origin),
+            "Access-Control-Expose-Headers": f"{REQUEST_ID_HEADER}, Retry-After",
+            "Vary": "Origin",
+        }
+
+    def preflight(self, headers: Mapping[str, str]) -> tuple[int, dict[str, str]]:
+        """(status, headers) of the reply to a preflight, besides ``headers_for`` (which every reply
+        gets); ``headers`` with lower-case names."""
+        if not self.allows(headers.get("origin")):
+            return 403, {}
+        return 204, {
+            "Access-Control-Allow-Methods": CORS_METHODS,
+            "Access-Control-Allow-Headers": headers.get("access-control-request-headers") or CORS_DEFAULT_HEADERS,
+            "Access-Control-Max-Age": str(CORS_MAX_AGE_S),
+        }

@@ -1,14 +1,17 @@
 """The REST gateway: MII's ``POST /mii/<deployment>`` over HTTP (Flask, served by waitress; no torch).
 
-Body ``{"prompts": str | [str, ...], "stream": bool, <generate kwargs>}``. Replies a JSON list of
-responses (``Response.to_msg_dict()``), or with ``"stream": true`` server-sent events: one
-``data: <chunk JSON with prompt_index>`` per chunk, then ``data: [DONE]``. Errors are JSON
-``{"error": {"type", "message"}}`` with the status from ``status.http_status_of`` (400 for bad
-JSON, unknown kwargs and wrong types; 503 with ``Retry-After`` when overloaded). A streaming request
-waits for its first chunk before answering, so a refusal gets its own status, not a 200 and an
-error event; a failure after the first chunk is an ``event: error``. ``GET /healthz`` answers 200
-while the process runs; ``GET /health`` 200 while a replica can serve (503 otherwise); ``GET /metrics``
-is Prometheus. API keys and ``X-Request-Id`` work as in the OpenAI server (``http_common``).
+Body ``{"prompts": str | [str | [token ids], ...] | [token ids], "stream": bool, <generate kwargs>}``
+(every ``GenerateParams`` kwarg: penalties, ``logit_bias``, ``logprobs``, ``prompt_logprobs``...).
+Replies a JSON list of responses (``Response.to_msg_dict()``), or with ``"stream": true`` server-sent
+events: one ``data: <chunk JSON with prompt_index>`` per chunk, then ``data: [DONE]``. Errors are JSON
+``{"error": {"type", "code", "message"}}`` (``type`` the error class, ``code`` by ``http_common``'s
+rule) with the status from ``status.http_status_of`` (400 for bad JSON, unknown kwargs and wrong
+types; 413 for a body over ``max_request_body_bytes``, refused by waitress before it is read whole;
+503 with ``Retry-After`` when overloaded). A streaming request waits for its first chunk before
+answering, so a refusal gets its own status, not a 200 and an error event; a failure after the first
+chunk is an ``event: error``. ``GET /healthz`` answers 200 while the process runs; ``GET /health`` 200
+while a replica can serve (503 otherwise); ``GET /metrics`` is this gateway's HTTP series. API keys,
+``X-Request-Id`` and CORS work as in the OpenAI server (``http_common``).
 
 Concurrency: WSGI gives every in-flight request a thread, so waitress is sized from admission
 (``GatewayRole.rest_threads``, from ``DeploymentConfig.rest_gateway_threads``): enough threads for every prompt the replicas would run
@@ -31,26 +34,38 @@ from typing import Any
 from flask import Flask, Response, current_app, g, request
 
 from ...errors import DeploymentNotFound, InvalidRequest, MIIServerError
-from ...wire.types import StreamChunk
+from ...generation.response import Response as GenerationResponse
+from ...wire.prompts import prompt_list
+from ...wire.types import Prompt, StreamChunk
 from ..control.roles import GatewayRole
-from ..metrics import EngineStatsCollector, HttpMetrics, exposition
+from ..metrics import HttpMetrics, exposition
 from ..status import error_name_of, http_status_of
 from .client import Client
 from .http_common import (
+    CLIENT_DISCONNECTED,
     CLIENT_GONE_STATUS,
     HEALTH_TIMEOUT_S,
+    INVALID_API_KEY,
+    NOT_FOUND,
+    ORIGIN_NOT_ALLOWED,
     REQUEST_ID_HEADER,
+    REQUEST_TOO_LARGE,
     SSE_DONE,
     SSE_HEADERS,
     ApiKeys,
+    CorsPolicy,
     HttpInstrumentation,
+    InvalidJson,
     RequestScope,
     deployment_health,
+    error_code,
     error_headers,
     sse_event,
+    too_large_message,
     unreachable_health,
 )
 from .loop_thread import ClientGone, LoopThread
+from .openai_logprobs import finite
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +81,7 @@ class RestGateway:
     client: Client  # talks to the load balancer; shared by every request
     upstream: LoopThread  # where the client's calls run
     instrumentation: HttpInstrumentation
+    cors: CorsPolicy
 
 
 def _gateway() -> RestGateway:
@@ -73,7 +89,11 @@ def _gateway() -> RestGateway:
 
 
 def error_body(exc: BaseException) -> dict[str, Any]:
-    return {"error": {"type": error_name_of(exc), "message": str(exc)}}
+    return _error_json(error_name_of(exc), error_code(exc), str(exc))
+
+
+def _error_json(type_: str, code: str, message: str) -> dict[str, Any]:
+    return {"error": {"type": type_, "code": code, "message": message}}
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -84,26 +104,34 @@ def _error(exc: BaseException) -> Response:
     status = http_status_of(exc)
     if status >= 500:
         log.warning("request_id=%s failed: %s: %s", g.http.request_id, type(exc).__name__, exc)
-    g.http.failure = error_name_of(exc)
+    g.http.failure = error_code(exc)
     return _json(error_body(exc), status, error_headers(status))
 
 
-def parse_body(raw: bytes) -> tuple[list[str], bool, dict[str, Any]]:
+def response_body(response: GenerationResponse) -> dict[str, Any]:
+    """A response as JSON-ready data (log-probabilities below JSON's range sent as the floor, as the
+    OpenAI server does)."""
+    body = response.to_msg_dict()
+    for entry in [*(body["logprobs"] or ()), *(body["prompt_logprobs"] or ())]:
+        if entry is not None:
+            entry["logprob"] = finite(entry["logprob"])
+            for top in entry["top_logprobs"]:
+                top["logprob"] = finite(top["logprob"])
+    return body
+
+
+def parse_body(raw: bytes) -> tuple[list[Prompt], bool, dict[str, Any]]:
     """(prompts, stream, generate kwargs) from a request body; ``InvalidRequest`` when malformed."""
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as err:  # bad JSON, bad UTF-8, or nested too deep to parse
-        raise InvalidRequest(f"request body is not valid JSON: {err}") from None
+        raise InvalidJson(f"request body is not valid JSON: {err}") from None
     if not isinstance(body, dict):
         raise InvalidRequest('request body must be a JSON object like {"prompts": ["..."], "max_new_tokens": 32}')
     if "prompts" not in body:
         raise InvalidRequest('request body lacks "prompts" (a string or a list of strings)')
     kwargs = dict(body)
-    prompts = kwargs.pop("prompts")
-    if isinstance(prompts, str):
-        prompts = [prompts]
-    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
-        raise InvalidRequest('"prompts" must be a string or a list of strings')
+    prompts = prompt_list(kwargs.pop("prompts"), '"prompts"')
     stream = kwargs.pop("stream", False)
     if not isinstance(stream, bool):
         raise InvalidRequest('"stream" must be true or false')
@@ -114,17 +142,28 @@ def parse_body(raw: bytes) -> tuple[list[str], bool, dict[str, Any]]:
 
 
 def _begin() -> Response | None:
-    inst = _gateway().instrumentation
+    gw = _gateway()
+    inst = gw.instrumentation
     g.http = inst.begin(request.method, request.path, request.headers.get(REQUEST_ID_HEADER))
+    headers = {k.lower(): v for k, v in request.headers.items()}
+    if gw.cors.enabled and CorsPolicy.is_preflight(request.method, headers):
+        status, extra = gw.cors.preflight(headers)
+        if status == 204:
+            return Response(status=204, headers=extra)
+        g.http.failure = ORIGIN_NOT_ALLOWED
+        message = f"origin {headers.get('origin')!r:.200} is not in allowed_origins"
+        return _json(_error_json("Forbidden", ORIGIN_NOT_ALLOWED, message), 403, extra)
     if not inst.authorized(g.http, request.headers.get("Authorization")):
-        g.http.failure = "Unauthorized"
-        body = {"error": {"type": "Unauthorized", "message": "missing or invalid API key (Authorization: Bearer)"}}
+        g.http.failure = INVALID_API_KEY
+        body = _error_json("Unauthorized", INVALID_API_KEY, "missing or invalid API key (Authorization: Bearer)")
         return _json(body, 401, {"WWW-Authenticate": "Bearer"})
     return None
 
 
 def _end(response: Response) -> Response:
     response.headers[REQUEST_ID_HEADER] = g.http.request_id
+    for name, value in _gateway().cors.headers_for(request.headers.get("Origin")).items():
+        response.headers[name] = value
     if not response.is_streamed:  # streams are counted when their generator ends
         _gateway().instrumentation.finish(g.http, _route(), response.status_code)
     return response
@@ -169,11 +208,11 @@ def generate(name: str) -> Response:
         prompts, stream, kwargs = parse_body(request.get_data())
         if not stream:
             responses = gw.upstream.call(gw.client.agenerate(prompts, request_id=rid, **kwargs), gone)
-            return _json([r.to_msg_dict() for r in responses])
+            return _json([response_body(r) for r in responses])
         chunks = gw.upstream.iterate(gw.client.agenerate_stream(prompts, request_id=rid, **kwargs), gone)
         first = next(chunks, None)  # why wait: a refusal (too long, overloaded) gets its own status
     except ClientGone:
-        g.http.failure = "client_disconnected"
+        g.http.failure = CLIENT_DISCONNECTED
         return _json({}, CLIENT_GONE_STATUS)  # nobody reads it; the instrumentation counts it
     except MIIServerError as exc:
         return _error(exc)
@@ -194,17 +233,17 @@ def _sse(
     status = 200
     try:
         if first is not None:
-            yield sse_event(first.to_msg_dict())
+            yield sse_event(response_body(first))
         for chunk in chunks:
-            yield sse_event(chunk.to_msg_dict())
+            yield sse_event(response_body(chunk))
     except ClientGone:
-        status, http.failure = CLIENT_GONE_STATUS, "client_disconnected"
+        status, http.failure = CLIENT_GONE_STATUS, CLIENT_DISCONNECTED
         return
     except GeneratorExit:  # waitress closed us: a write failed, the client is gone
-        status, http.failure = CLIENT_GONE_STATUS, "client_disconnected"
+        status, http.failure = CLIENT_GONE_STATUS, CLIENT_DISCONNECTED
         raise
     except MIIServerError as exc:
-        http.failure = error_name_of(exc)
+        http.failure = error_code(exc)
         yield sse_event(error_body(exc), event="error")
     finally:
         chunks.close()  # cancels the upstream stream when it has not ended, aborting its prompts
@@ -213,8 +252,9 @@ def _sse(
 
 
 def not_found(err: Any) -> Response:
-    g.http.failure = "NotFound"
-    return _json({"error": {"type": "NotFound", "message": f"{request.method} {request.path}: {err.description}"}}, err.code)
+    code = NOT_FOUND if err.code == 404 else "method_not_allowed"
+    g.http.failure = code
+    return _json(_error_json("NotFound", code, f"{request.method} {request.path}: {err.description}"), err.code)
 
 
 def create_app(
@@ -223,13 +263,15 @@ def create_app(
     upstream: LoopThread,
     keys: ApiKeys | None = None,
     metrics: HttpMetrics | None = None,
+    allowed_origins: tuple[str, ...] | list[str] = (),
 ) -> Flask:
-    """The Flask app; ``client``'s async calls run on ``upstream``. With ``keys``, every route but
-    ``/healthz`` and ``/health`` needs ``Authorization: Bearer KEY``."""
+    """The Flask app; ``client``'s async calls run on ``upstream``. With ``keys``, every route but the
+    open ones (``http_common.UNAUTHENTICATED``) needs ``Authorization: Bearer KEY``; ``allowed_origins``
+    turns CORS on. The body limit is waitress's (``RestGatewayServer``)."""
     app = Flask("mii_server.rest_gateway")
     instrumentation = HttpInstrumentation(keys or ApiKeys([]), metrics)
-    instrumentation.metrics.registry.register(EngineStatsCollector(lambda: client.stats(timeout=HEALTH_TIMEOUT_S)))
-    app.extensions["mii_server"] = RestGateway(deployment_name, client, upstream, instrumentation)
+    gateway = RestGateway(deployment_name, client, upstream, instrumentation, CorsPolicy(allowed_origins))
+    app.extensions["mii_server"] = gateway
     app.before_request(_begin)
     app.after_request(_end)
     app.add_url_rule("/healthz", view_func=healthz, methods=["GET"])
@@ -239,6 +281,36 @@ def create_app(
     app.register_error_handler(404, not_found)
     app.register_error_handler(405, not_found)
     return app
+
+
+def _json_error_task() -> type:
+    """waitress's error task (its replies to a body too large or malformed HTTP, before the app runs),
+    answering with our JSON error body instead of plain text."""
+    from waitress.task import ErrorTask
+
+    class JsonErrorTask(ErrorTask):
+        def execute(self) -> None:
+            error = self.request.error
+            code = REQUEST_TOO_LARGE if error.code == 413 else "invalid_request"
+            limit = self.channel.adj.max_request_body_size - 1
+            message = too_large_message(limit) if error.code == 413 else f"{error.reason}: {error.body}"
+            body = json.dumps(_error_json(error.reason.replace(" ", ""), code, message)).encode()
+            self.status = f"{error.code} {error.reason}"
+            self.response_headers.append(("Content-Type", "application/json"))
+            self.set_close_on_finish()
+            self.content_length = len(body)
+            self.write(body)
+
+    return JsonErrorTask
+
+
+def _json_error_channel() -> type:
+    from waitress.channel import HTTPChannel
+
+    class JsonErrorChannel(HTTPChannel):
+        error_task_class = _json_error_task()
+
+    return JsonErrorChannel
 
 
 class RestGatewayServer:
@@ -259,7 +331,10 @@ class RestGatewayServer:
         threading.stack_size(THREAD_STACK_BYTES)  # before waitress starts its threads
         self._upstream = LoopThread()
         self._client = Client(role.load_balancer, deployment_name=role.deployment_name)
-        app = create_app(role.deployment_name, self._client, self._upstream, ApiKeys.load(role.api_key_file))
+        keys = ApiKeys.load(role.api_key_file)
+        app = create_app(
+            role.deployment_name, self._client, self._upstream, keys, allowed_origins=role.allowed_origins
+        )
         self._map: dict[int, Any] = {}  # waitress's socket map: the listener, the trigger, the connections
         self._server = waitress.create_server(
             app,
@@ -271,7 +346,9 @@ class RestGatewayServer:
             backlog=2048,
             ident="mii-server",
             channel_request_lookahead=1,  # keep reading the socket, so a client that leaves is seen at once
+            max_request_body_size=role.max_request_body_bytes + 1,  # waitress refuses at >=: allow exactly the limit
         )
+        self._server.channel_class = _json_error_channel()  # its own errors (413, malformed HTTP) as our JSON
         self._grace_s = role.stop_grace_s
         self._thread = threading.Thread(target=self._run, name="rest-gateway", daemon=True)
         log.info(

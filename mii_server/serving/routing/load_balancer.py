@@ -278,7 +278,7 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
 
     # ---- RPCs -------------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateReply:
-        log.debug("request_id=%s Generate prompts=%d", request.request_id or "-", len(request.prompts))
+        log.debug("request_id=%s Generate prompts=%d", convert.request_id_of(request) or "-", len(request.prompts))
         results: list[pb.Completion | None] = [None] * len(request.prompts)
         pending = list(range(len(request.prompts)))
         failed: set[str] = set()
@@ -325,7 +325,7 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
     async def GenerateStream(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.Completion]:
-        log.debug("request_id=%s GenerateStream prompts=%d", request.request_id or "-", len(request.prompts))
+        log.debug("request_id=%s GenerateStream prompts=%d", convert.request_id_of(request) or "-", len(request.prompts))
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         pumps: list[asyncio.Task] = []
         failed: set[str] = set()
@@ -412,6 +412,20 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
         self, request: pb.ChatTemplateRequest, context: grpc.aio.ServicerContext
     ) -> pb.ChatTemplateReply:
         """Any one replica renders (they all hold the same tokenizer); UNAVAILABLE ones are skipped."""
+        return await self._on_any_replica("ApplyChatTemplate", request, context)
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeReply:
+        """Any one replica tokenises (they all hold the same tokenizer)."""
+        return await self._on_any_replica("Tokenize", request, context)
+
+    async def TokenizerInfo(
+        self, request: pb.TokenizerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizerInfoReply:
+        return await self._on_any_replica("TokenizerInfo", request, context)
+
+    async def _on_any_replica(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """Forward a unary tokenizer RPC to one replica, round robin; UNAVAILABLE ones are skipped, any
+        other failure is the caller's."""
         failed: set[str] = set()
         while True:
             try:
@@ -420,7 +434,7 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
                 await abort_rpc(context, exc)
             with self._using(link) as stub:
                 try:
-                    return await stub.ApplyChatTemplate(request, timeout=CHAT_TEMPLATE_TIMEOUT_S)
+                    return await getattr(stub, method)(request, timeout=CHAT_TEMPLATE_TIMEOUT_S)
                 except grpc.RpcError as err:
                     if not is_retryable(err):
                         await forward_rpc_error(context, err)
