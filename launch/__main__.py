@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mii_server.launch import roles, spec
+from mii_server.launch import log_rotation, roles, spec
 from mii_server.launch.process import raise_open_file_limit
 from mii_server.serving.log_format import setup_logging
 
@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="url-safe base64 JSON spec (LaunchSpec or RankSpec)")
     args = parser.parse_args(argv)
     setup_logging(args.role)
+    log_rotation.start_from_environment()
     raise_open_file_limit()
     return roles.RUNNERS[args.role](spec.decode(args.role, args.config))
 

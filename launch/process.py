@@ -13,6 +13,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+from .log_rotation import LOG_FILE_ENV
 from .spec import Role, Spec, command
 
 PARENT_PID_ENV = "MII_SERVER_PARENT_PID"
@@ -58,6 +59,10 @@ def spawn(
     """
     child_env = dict(os.environ if env is None else env)
     child_env["PYTHONUNBUFFERED"] = "1"
+    if log_path is not None:
+        child_env[LOG_FILE_ENV] = str(log_path)  # the child rotates its own log (see log_rotation)
+    else:
+        child_env.pop(LOG_FILE_ENV, None)  # it shares this process's output: only one may rotate it
     if detach:
         child_env.pop(PARENT_PID_ENV, None)
     else:

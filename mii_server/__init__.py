@@ -53,8 +53,10 @@ def serve(model_name_or_path: str = "", **kwargs: Any) -> Client:
     return _serve(model_name_or_path, **kwargs)
 
 
-def client(deployment_name_or_host_port: str = "", timeout: float | None = None) -> Client:
+def client(
+    deployment_name_or_host_port: str = "", timeout: float | None = None, api_key: str | None = None
+) -> Client:
     """A client for a running deployment; see ``mii_server.serving.control.api.client``."""
     from .serving.control.api import client as _client
 
-    return _client(deployment_name_or_host_port, timeout=timeout)
+    return _client(deployment_name_or_host_port, timeout=timeout, api_key=api_key)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -47,6 +48,7 @@ def _serve(args: argparse.Namespace) -> int:
     from .serving.control.api import prepare
     from .serving.control.supervisor import Supervisor
     from .serving.log_format import setup_logging
+    from .serving.security import ADMIN_TOKEN_ENV, new_admin_token
 
     config = prepare(deployment_config(args))
     setup_logging("supervisor")
@@ -58,6 +60,7 @@ def _serve(args: argparse.Namespace) -> int:
         + "; Ctrl-C stops",
         file=sys.stderr,
     )
+    os.environ.setdefault(ADMIN_TOKEN_ENV, new_admin_token())  # the deployment's own: see serving.security
     code = Supervisor(config).run()
     if code != 0:
         record = registry.read(config.deployment_name, config.registry_dir)

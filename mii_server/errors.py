@@ -46,3 +46,15 @@ class ReplicaUnavailable(MIIServerError, RuntimeError):
 
 class EngineDead(MIIServerError, RuntimeError):
     """The engine stopped (a rank died, or it was destroyed) and can take no more requests."""
+
+
+class Unauthorized(MIIServerError, PermissionError):
+    """The caller presented no API key, or an unknown one, where one is required."""
+
+
+class Forbidden(MIIServerError, PermissionError):
+    """The caller is not allowed this call (Terminate without the deployment's admin token)."""
+
+
+class UntrustedRegistry(MIIServerError, PermissionError):
+    """The registry directory or a record in it is not this user's alone (another user could plant one)."""

@@ -45,7 +45,7 @@ async def _serve(role: ReplicaRole) -> int:
     stop = StopRequest(servicer.stop_requested)
     stop.install()
     start_replica_metrics(role, servicer)
-    server, health = await grpc_common.start_server(servicer, role.host, role.port)
+    server, health = await grpc_common.start_server(servicer, role.host, role.port, role.grpc_security())
     await grpc_common.set_service_serving(health, "", True)  # the process serves; the model not yet
     unready = asyncio.ensure_future(_not_serving_once_stopped(stop, health))
     log.info("replica %d listening on %s; loading %r", index, role.address, role.model.model_name_or_path or "demo")

@@ -6,6 +6,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..wire import generation_pb2_grpc
+from .security import ApiKeys, GrpcSecurity, aio_interceptors, intercepted
 
 SERVICE_NAME = "mii_server.wire.Generation"
 MAX_MESSAGE_BYTES = 2**27  # MII's GRPC_MAX_MSG_SIZE
@@ -28,20 +29,21 @@ CHANNEL_OPTIONS = _SIZE_OPTIONS + [
 
 
 async def start_server(
-    servicer: generation_pb2_grpc.GenerationServicer, host: str, port: int
+    servicer: generation_pb2_grpc.GenerationServicer, host: str, port: int, security: GrpcSecurity | None = None
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """Start an asyncio gRPC server with our service and grpc.health.v1 (NOT_SERVING until the caller
     says). No thread per RPC: every call is a task on the running event loop.
 
     Raises ``OSError`` when the port cannot be bound.
     """
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    security = security or GrpcSecurity(ApiKeys([]))
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=security.server_interceptors())
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     await set_serving(health_servicer, False)
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = security.add_port(server, f"{host}:{port}")
     except RuntimeError as err:  # grpcio >= 1.60 raises; older ones return 0
         raise OSError(f"cannot listen on {host}:{port}: {err}") from None
     if bound == 0:
@@ -74,12 +76,31 @@ async def set_all_replicas_serving(health_servicer: health.aio.HealthServicer, s
     await set_service_serving(health_servicer, ALL_REPLICAS_SERVICE, serving)
 
 
-def channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+def channel(address: str, api_key: str = "", credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+    """A channel that presents ``api_key`` on every call (and speaks TLS with ``credentials``)."""
+    if credentials is None:
+        plain = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    else:
+        plain = grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+    return intercepted(plain, api_key)
 
 
-def aio_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def aio_channel(
+    address: str, api_key: str = "", credentials: grpc.ChannelCredentials | None = None
+) -> grpc.aio.Channel:
+    """The asyncio twin of ``channel`` (it belongs to the running event loop)."""
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=aio_interceptors(api_key))
+    return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS, interceptors=aio_interceptors(api_key))
+
+
+def security_channel(address: str, security: GrpcSecurity) -> grpc.Channel:
+    """A channel from one process of the deployment to another: its key, its TLS trust."""
+    return channel(address, security.keys.first, security.channel_credentials())
+
+
+def security_aio_channel(address: str, security: GrpcSecurity) -> grpc.aio.Channel:
+    return aio_channel(address, security.keys.first, security.channel_credentials())
 
 
 def is_serving(ch: grpc.Channel, timeout: float = 1.0, service: str = "") -> bool:

@@ -24,6 +24,8 @@ _TABLE: dict[type[errors.MIIServerError], tuple[grpc.StatusCode, int]] = {
     errors.UnsupportedModel: (grpc.StatusCode.FAILED_PRECONDITION, 400),
     errors.CapacityExceeded: (grpc.StatusCode.RESOURCE_EXHAUSTED, 503),
     errors.DeploymentNotFound: (grpc.StatusCode.NOT_FOUND, 404),
+    errors.Unauthorized: (grpc.StatusCode.UNAUTHENTICATED, 401),
+    errors.Forbidden: (grpc.StatusCode.PERMISSION_DENIED, 403),
     errors.DeploymentStartError: (grpc.StatusCode.INTERNAL, 500),
     errors.ReplicaUnavailable: (grpc.StatusCode.UNAVAILABLE, 503),
     errors.EngineDead: (grpc.StatusCode.UNAVAILABLE, 503),
@@ -36,6 +38,8 @@ _FALLBACK: dict[grpc.StatusCode, type[errors.MIIServerError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.CapacityExceeded,
     grpc.StatusCode.NOT_FOUND: errors.DeploymentNotFound,
     grpc.StatusCode.UNAVAILABLE: errors.ReplicaUnavailable,
+    grpc.StatusCode.UNAUTHENTICATED: errors.Unauthorized,
+    grpc.StatusCode.PERMISSION_DENIED: errors.Forbidden,
 }
 
 

@@ -12,9 +12,12 @@ from mii_server.errors import CapacityExceeded, InvalidRequest
 from mii_server.generation.response import FinishReason, Response
 from mii_server.serving import grpc_common
 from mii_server.serving.routing.load_balancer import LoadBalancer
+from mii_server.serving.security import ApiKeys, GrpcSecurity
 from mii_server.serving.status import abort_rpc
 from mii_server.wire import convert, generation_pb2_grpc
 from mii_server.wire import generation_pb2 as pb
+
+ADMIN_TOKEN = "test-admin-token"
 
 
 class FakeReplica(generation_pb2_grpc.GenerationServicer):
@@ -80,16 +83,28 @@ class FakeReplica(generation_pb2_grpc.GenerationServicer):
         return pb.TerminateReply()
 
 
-async def start_fake(name: str, port: int, host: str = "127.0.0.1") -> tuple[FakeReplica, grpc.aio.Server]:
+async def start_fake(
+    name: str, port: int, host: str = "127.0.0.1", security: GrpcSecurity | None = None
+) -> tuple[FakeReplica, grpc.aio.Server]:
+    """A fake replica that, as a real one does, takes Terminate only with the admin token."""
     fake = FakeReplica(name)
-    server, health = await grpc_common.start_server(fake, host, port)
+    security = security or GrpcSecurity(ApiKeys([]), ADMIN_TOKEN)
+    server, health = await grpc_common.start_server(fake, host, port, security)
     await grpc_common.set_serving(health, True)
     return fake, server
 
 
-async def start_balancer(addresses: list[str], port: int, replica_wait_s: float = 0.0, stall_timeout_s: float = 20.0):
-    """A load balancer over ``addresses`` serving on 127.0.0.1:``port`` (no health monitor: tests drive it)."""
-    balancer = LoadBalancer(addresses, replica_wait_s=replica_wait_s, stall_timeout_s=stall_timeout_s)
-    server, health = await grpc_common.start_server(balancer, "127.0.0.1", port)
+async def start_balancer(
+    addresses: list[str],
+    port: int,
+    replica_wait_s: float = 0.0,
+    stall_timeout_s: float = 20.0,
+    security: GrpcSecurity | None = None,
+):
+    """A load balancer over ``addresses`` serving on 127.0.0.1:``port`` (no health monitor: tests drive it).
+    Its security defaults to no API key and the admin token ``ADMIN_TOKEN``."""
+    security = security or GrpcSecurity(ApiKeys([]), ADMIN_TOKEN)
+    balancer = LoadBalancer(addresses, replica_wait_s=replica_wait_s, stall_timeout_s=stall_timeout_s, security=security)
+    server, health = await grpc_common.start_server(balancer, "127.0.0.1", port, security)
     await grpc_common.set_serving(health, True)
     return balancer, server

@@ -7,16 +7,19 @@ import threading
 import time
 from collections.abc import Iterator
 
+import grpc
 import pytest
 
-from mii_server.errors import CapacityExceeded, InvalidRequest, ReplicaUnavailable
+from mii_server.errors import CapacityExceeded, Forbidden, InvalidRequest, ReplicaUnavailable, Unauthorized
 from mii_server.generation.response import FinishReason
+from mii_server.serving import grpc_common
 from mii_server.serving.frontends.client import Client
 from mii_server.serving.frontends.loop_thread import LoopThread
 from mii_server.serving.routing.load_balancer import LoadBalancer
+from mii_server.serving.security import ApiKeys, GrpcSecurity, call_metadata
 from mii_server.wire import generation_pb2 as pb
 
-from .fakes import FakeReplica, start_balancer, start_fake
+from .fakes import ADMIN_TOKEN, FakeReplica, start_balancer, start_fake
 from .helpers import free_port_block, wait_for
 
 
@@ -104,11 +107,55 @@ def test_leaving_a_stream_cancels_it_on_the_replica(cluster) -> None:
     )
 
 
-def test_terminate_fans_out_to_every_replica(cluster) -> None:
+def test_terminate_needs_the_admin_token_and_fans_out_to_every_replica(cluster) -> None:
     client, balancer, fakes, _ = cluster
-    client._stub.Terminate(pb.TerminateRequest())
+    with pytest.raises(grpc.RpcError) as refused:
+        client._stub.Terminate(pb.TerminateRequest())  # no token: nobody but the owner stops it
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    with pytest.raises(grpc.RpcError):
+        client._stub.Terminate(pb.TerminateRequest(), metadata=call_metadata(admin_token="guess"))
+    assert not balancer.stop_requested.is_set() and not any(f.terminated.is_set() for f in fakes)
+    client._stub.Terminate(pb.TerminateRequest(), metadata=call_metadata(admin_token=ADMIN_TOKEN))
     assert all(f.terminated.is_set() for f in fakes)
     assert balancer.stop_requested.is_set()
+
+
+def test_with_an_api_key_every_rpc_needs_it_but_health(bg: LoopThread) -> None:
+    import asyncio
+
+    base = free_port_block(2)
+    security = GrpcSecurity(ApiKeys(["sesame"]), ADMIN_TOKEN)  # the whole deployment shares the key
+    _, replica = bg.run(start_fake("r0", base + 1, security=security))
+    balancer, server = bg.run(start_balancer([f"127.0.0.1:{base + 1}"], base, security=security))
+    address = f"127.0.0.1:{base}"
+    try:
+        with Client(address, api_key="") as anonymous, Client(address, api_key="wrong") as wrong:
+            for who in (anonymous, wrong):
+                with pytest.raises(Unauthorized, match="API key"):
+                    who.generate(["hi"])
+                with pytest.raises(Unauthorized):
+                    list(who.generate_stream(["hi"]))
+                with pytest.raises(Unauthorized):
+                    who.stats()
+            assert grpc_common.is_serving(anonymous._channel)  # probes need no key
+        with Client(address, api_key="sesame") as keyed:
+            assert [r.generated_text for r in keyed.generate(["hi"])] == ["hi@r0"]
+            assert "".join(c.generated_text for c in keyed.generate_stream(["hi"])) == "hi@r0"
+
+            async def both_kinds_async() -> tuple[str, str]:  # the asyncio channel, as the front ends use it
+                unary = (await keyed.agenerate(["yo"]))[0].generated_text
+                streamed = "".join([c.generated_text async for c in keyed.agenerate_stream(["yo"])])
+                return unary, streamed
+
+            assert asyncio.run(both_kinds_async()) == ("yo@r0", "yo@r0")
+            with pytest.raises(Forbidden, match="admin token"):
+                keyed.terminate_server(wait=False)  # a key is not the admin token
+        with pytest.raises(InvalidRequest, match="closed"):
+            keyed.generate(["after close"])  # grpcio itself would crash the process here
+    finally:
+        bg.run(server.stop(0))
+        bg.run(replica.stop(0))
+        bg.run(balancer.close())
 
 
 def test_async_twins(cluster) -> None:

@@ -12,8 +12,8 @@ from starlette.testclient import TestClient
 
 from mii_server.errors import ReplicaUnavailable
 from mii_server.generation.response import FinishReason
-from mii_server.serving.frontends.http_common import ApiKeys
 from mii_server.serving.frontends.openai_server import RETRIES, create_app
+from mii_server.serving.security import ApiKeys
 from mii_server.wire.types import StreamChunk
 
 MODEL = "/tmp/models/llama-3"  # a local path: the id /v1/models lists

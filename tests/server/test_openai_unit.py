@@ -9,8 +9,9 @@ import pytest
 from mii_server.errors import CapacityExceeded, InvalidRequest
 from mii_server.generation.response import FinishReason, TokenLogprob, TopLogprob
 from mii_server.replica.servicer import ReplicaServicer
-from mii_server.serving.frontends.http_common import ApiKeys, request_id_from
+from mii_server.serving.frontends.http_common import request_id_from
 from mii_server.serving.frontends.openai_protocol import ApiError, ResponseBuilder, api_error_of, parse
+from mii_server.serving.security import ApiKeys
 from mii_server.wire.types import StreamChunk, Tokenized
 
 MODEL = "m"

@@ -132,7 +132,7 @@ def test_a_refused_stream_gets_its_status_and_a_late_failure_an_error_event(http
 
 
 def test_request_id_health_metrics_and_keys(upstream: LoopThread) -> None:
-    from mii_server.serving.frontends.http_common import ApiKeys
+    from mii_server.serving.security import ApiKeys
 
     stand_in = StandInClient()
     client = create_app("dep", stand_in, upstream).test_client()

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
 from ...errors import DeploymentNotFound, DeploymentStartError, InvalidRequest
 from ...launch import process
+from ...launch.log_rotation import rotation_env
 from ...launch.spec import LaunchSpec
 from ..frontends.client import Client
+from ..security import ADMIN_TOKEN_ENV, ApiKeys, new_admin_token
 from . import devices, ports, registry
 from .deployment import DeploymentConfig, default_deployment_name
 
@@ -30,13 +33,18 @@ def serve(model_name_or_path: str = "", **kwargs: Any) -> Client:
     config = prepare(DeploymentConfig.from_kwargs(model_name_or_path, **kwargs))
     name, directory = config.deployment_name, config.registry_dir
     log_path = registry.log_dir(name, directory) / "supervisor.log"
-    proc = process.spawn("supervisor", LaunchSpec(deployment=config), log_path, detach=True)
+    # the deployment's admin token: to its processes by environment, never argv; kept in the owner-only record
+    token = os.environ.get(ADMIN_TOKEN_ENV) or new_admin_token()
+    env = {**os.environ, ADMIN_TOKEN_ENV: token, **rotation_env(config.log_max_bytes, config.log_backups)}
+    proc = process.spawn("supervisor", LaunchSpec(deployment=config), log_path, detach=True, env=env)
     deadline = time.monotonic() + config.startup_timeout_s + 60.0
     while True:
         record = registry.read(name, directory)
         if record is not None and record.supervisor_pid == proc.pid:
             if record.state == "ready":
-                return Client(config.lb_address, deployment_name=name, supervisor=proc)
+                return Client(config.lb_address, deployment_name=name, supervisor=proc, admin_token=token,
+                              api_key=ApiKeys.load(config.api_key_file).first,
+                              tls_ca_file=config.tls_ca_file or config.tls_cert_file)  # fmt: skip
             if record.state == "failed":
                 proc.wait()
                 registry.remove(name, directory, only_pid=proc.pid)
@@ -84,7 +92,9 @@ def claim_name(name: str, directory: str = "") -> None:
     registry.remove(name, directory)
 
 
-def client(deployment_name_or_host_port: str = "", timeout: float | None = None) -> Client:
+def client(
+    deployment_name_or_host_port: str = "", timeout: float | None = None, api_key: str | None = None
+) -> Client:
     """A ``Client`` for a running deployment, by registry name (any process of this user) or ``host:port``.
 
     An empty name means the demo model's default deployment name. Like MII, a model name is also
@@ -101,11 +111,12 @@ def client(deployment_name_or_host_port: str = "", timeout: float | None = None)
         if record.state != "ready":
             raise DeploymentNotFound(f"deployment {name!r} is {record.state}, not ready")
         return Client(
-            record.address, deployment_name=name, timeout=timeout, supervisor_pid=record.supervisor_pid
-        )
+            record.address, deployment_name=name, timeout=timeout, supervisor_pid=record.supervisor_pid,
+            api_key=api_key, admin_token=record.admin_token, tls_ca_file=record.tls_ca_file,
+        )  # fmt: skip
     host, sep, port = target.rpartition(":")
     if sep and host and port.isdigit():
-        return Client(target, timeout=timeout)
+        return Client(target, timeout=timeout, api_key=api_key, admin_token=os.environ.get(ADMIN_TOKEN_ENV, ""))
     raise DeploymentNotFound(
         f"no running deployment named {target!r} in {registry.registry_dir()} "
         f"(set {registry.ENV_VAR} if it was started with another registry), and it is not host:port"

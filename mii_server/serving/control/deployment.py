@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ...config import ModelConfig, merge_mii_config_dicts
 from ...errors import InvalidRequest, UnknownArgument
+from ..security import GrpcSecurity
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 REST_THREAD_HEADROOM = 64  # threads beyond admission: health, metrics, and requests about to be refused
@@ -75,6 +76,17 @@ class DeploymentConfig(BaseModel):
         "keys in $MII_SERVER_API_KEY (comma-separated) count too. No key anywhere: no authentication. "
         "Never put a key itself in the config: it travels on command lines.",
     )
+    tls_cert_file: str = Field(
+        default="",
+        description="PEM certificate chain of every gRPC server of the deployment (with tls_key_file: TLS on "
+        "every gRPC hop; for deployments that bind beyond loopback). Empty: plaintext.",
+    )
+    tls_key_file: str = Field(default="", description="PEM private key of tls_cert_file.")
+    tls_ca_file: str = Field(
+        default="",
+        description="PEM certificates the deployment's own gRPC channels trust (the CA of tls_cert_file); "
+        "empty with TLS on: the certificate itself.",
+    )
     allowed_origins: list[str] = Field(
         default_factory=list,
         description="Origins (scheme://host[:port], or * for any) whose browser apps may call the REST gateway "
@@ -134,6 +146,13 @@ class DeploymentConfig(BaseModel):
         "carries to finish before it cuts them; None sets no limit of its own (the supervisor's teardown "
         "or Kubernetes' terminationGracePeriodSeconds bounds it). A second SIGTERM cuts at once.",
     )
+    log_max_bytes: int = Field(
+        default=64 * 2**20,
+        ge=0,
+        description="Size at which each process's log file (<registry>/logs/<name>/<role>.log) is rotated to "
+        "<role>.log.1; 0 never rotates. A process writing to a pod's stdout rotates nothing.",
+    )
+    log_backups: int = Field(default=5, ge=0, le=1000, description="Rotated logs kept per process (.1 is the newest).")
     replica_stall_timeout_s: float = Field(
         default=20.0,
         gt=0,
@@ -241,6 +260,10 @@ class DeploymentConfig(BaseModel):
         if not self.enable_openai_api:
             return None
         return f"http://{self.openai_api_host}:{self.openai_api_port}/v1"
+
+    def grpc_security(self) -> GrpcSecurity:
+        """The supervisor's view of its deployment's gRPC security (its key, its TLS trust)."""
+        return GrpcSecurity.load(self.api_key_file, self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
 
     @property
     def rest_gateway_threads(self) -> int:

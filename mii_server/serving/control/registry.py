@@ -3,17 +3,26 @@
 ``serve()`` and the supervisor write records; ``client(name)`` and ``mii-server status`` read them.
 The directory is ``$MII_SERVER_REGISTRY`` when set, else ``$XDG_RUNTIME_DIR/mii-server`` when that
 exists, else ``~/.cache/mii-server/deployments``; it is created with mode 0700.
+
+Trust: a record says which port to connect to and holds the admin token, so the directory must be
+this user's alone (owned by them, mode 0700: nobody else can plant or swap a record) and so must every
+record (owned by them, 0600, not a symbolic link). Anything else raises ``UntrustedRegistry``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
+
+from ...errors import UntrustedRegistry
+
+log = logging.getLogger(__name__)
 
 ENV_VAR = "MII_SERVER_REGISTRY"
 
@@ -35,6 +44,8 @@ class DeploymentRecord:
     created_at: float = field(default_factory=time.time)  # seconds since the epoch
     error: str = ""  # why start-up failed (state "failed")
     openai_url: str | None = None  # base URL of the OpenAI-compatible API (".../v1"), None when disabled
+    admin_token: str = ""  # what Terminate needs (why here: the record is the owner's alone, 0600 in 0700)
+    tls_ca_file: str = ""  # what a client trusts when the deployment speaks TLS
 
     def is_alive(self) -> bool:
         return pid_alive(self.supervisor_pid)
@@ -51,7 +62,22 @@ def registry_dir(override: str = "") -> Path:
     else:
         path = Path.home() / ".cache" / "mii-server" / "deployments"
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _check_private(path, os.stat(path), "registry directory", 0o700)
     return path
+
+
+def _check_private(path: Path, st: os.stat_result, what: str, mode: int) -> None:
+    """Refuse ``path`` unless this user owns it and nobody else may read or write it."""
+    if st.st_uid != os.getuid():
+        raise UntrustedRegistry(
+            f"{what} {path} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()}): its records "
+            f"could send clients to someone else's port; use a directory of your own (${ENV_VAR})"
+        )
+    if st.st_mode & 0o077:
+        raise UntrustedRegistry(
+            f"{what} {path} has mode {st.st_mode & 0o777:o}: other users may read or change it; "
+            f"run `chmod {mode:o} {path}` or use another directory (${ENV_VAR})"
+        )
 
 
 def record_path(name: str, directory: str = "") -> Path:
@@ -74,13 +100,23 @@ def write(record: DeploymentRecord, directory: str = "") -> None:
 
 
 def read(name: str, directory: str = "") -> DeploymentRecord | None:
+    """The record of ``name`` (None when absent or torn); ``UntrustedRegistry`` when it is not ours alone."""
     path = record_path(name, directory)
     try:
-        data = json.loads(path.read_text())
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         return None
-    except (json.JSONDecodeError, OSError):
-        return None  # a torn or foreign file is treated as absent
+    except OSError as err:
+        if path.is_symlink():
+            raise UntrustedRegistry(f"registry record {path} is a symbolic link; remove it") from None
+        log.warning("cannot read registry record %s: %s", path, err)
+        return None
+    with os.fdopen(fd) as f:
+        _check_private(path, os.fstat(f.fileno()), "registry record", 0o600)
+        try:
+            data = json.loads(f.read())
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+            return None  # a torn file is treated as absent
     try:
         return DeploymentRecord(**data)
     except TypeError:
@@ -99,7 +135,11 @@ def remove(name: str, directory: str = "", only_pid: int | None = None) -> None:
 def list_records(directory: str = "") -> list[DeploymentRecord]:
     out = []
     for path in sorted(registry_dir(directory).glob("*.json")):
-        record = read(path.stem, directory)
+        try:
+            record = read(path.stem, directory)
+        except UntrustedRegistry as err:
+            log.warning("skipped: %s", err)  # one planted file must not hide the user's own deployments
+            continue
         if record is not None:
             out.append(record)
     return out

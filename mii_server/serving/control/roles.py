@@ -11,15 +11,19 @@ is derived from the field, see ``mii_server.config_flags``); the others come fro
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ...config import ModelConfig
 from ...errors import InvalidRequest
 from ..routing.discovery import parse_targets
+from ..security import GrpcSecurity
 from . import registry
 from .deployment import DeploymentConfig
+
+if TYPE_CHECKING:
+    from ..frontends.client import Client
 
 FLAG: dict[str, Any] = {"flag": True}  # json_schema_extra of a field its subcommand sets by flag
 # the layout defaults are the deployment's (a role alone defaults to where the supervisor puts it)
@@ -36,6 +40,14 @@ class _Role(BaseModel):
     stop_grace_s: float | None = Field(
         default=None, ge=0, description="DeploymentConfig.stop_grace_s: how long a stop waits for open work."
     )
+    api_key_file: str = Field(default="", description="DeploymentConfig.api_key_file.")
+    tls_cert_file: str = Field(default="", description="DeploymentConfig.tls_cert_file.")
+    tls_key_file: str = Field(default="", description="DeploymentConfig.tls_key_file.")
+    tls_ca_file: str = Field(default="", description="DeploymentConfig.tls_ca_file.")
+
+    def grpc_security(self) -> GrpcSecurity:
+        """This process's gRPC security: its config's key file and TLS files, and the environment."""
+        return GrpcSecurity.load(self.api_key_file, self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
 
     @classmethod
     def flag_fields(cls) -> list[str]:
@@ -158,7 +170,6 @@ class GatewayRole(_Role):
         default=None, ge=1, le=65535, description="Serve the OpenAI-compatible API on this port.", json_schema_extra=FLAG
     )
     served_model: str = Field(description="The model id of the OpenAI API.")
-    api_key_file: str = Field(default="", description="DeploymentConfig.api_key_file.")
     rest_threads: int = Field(ge=1, description="The REST gateway's WSGI threads (DeploymentConfig.rest_gateway_threads).")
     allowed_origins: list[str] = Field(
         default_factory=list, description="DeploymentConfig.allowed_origins: CORS origins (empty: off).", json_schema_extra=FLAG
@@ -166,6 +177,14 @@ class GatewayRole(_Role):
     max_request_body_bytes: int = Field(
         default=32 * 2**20, ge=1024, le=2**27, description="DeploymentConfig.max_request_body_bytes."
     )
+
+    def upstream_client(self) -> Client:
+        """The client of the load balancer, presenting this process's key (and trusting its TLS CA)."""
+        from ..frontends.client import Client
+
+        security = self.grpc_security()
+        return Client(self.load_balancer, deployment_name=self.deployment_name, api_key=security.keys.first,
+                      tls_ca_file=security.tls_ca_file)  # fmt: skip
 
     @model_validator(mode="after")
     def _serves_something(self) -> GatewayRole:
@@ -191,7 +210,14 @@ class GatewayRole(_Role):
 
 
 def _common(cfg: DeploymentConfig) -> dict[str, Any]:
-    return {"deployment_name": cfg.deployment_name, "stop_grace_s": cfg.stop_grace_s}
+    return {
+        "deployment_name": cfg.deployment_name,
+        "stop_grace_s": cfg.stop_grace_s,
+        "api_key_file": cfg.api_key_file,
+        "tls_cert_file": cfg.tls_cert_file,
+        "tls_key_file": cfg.tls_key_file,
+        "tls_ca_file": cfg.tls_ca_file,
+    }
 
 
 def _balancing(cfg: DeploymentConfig) -> dict[str, Any]:
@@ -205,7 +231,6 @@ def _balancing(cfg: DeploymentConfig) -> dict[str, Any]:
 def _fronting(cfg: DeploymentConfig) -> dict[str, Any]:
     return {
         "served_model": cfg.served_model,
-        "api_key_file": cfg.api_key_file,
         "rest_threads": cfg.rest_gateway_threads,
         "allowed_origins": cfg.allowed_origins,
         "max_request_body_bytes": cfg.max_request_body_bytes,

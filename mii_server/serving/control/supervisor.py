@@ -24,8 +24,10 @@ from pathlib import Path
 
 from ...errors import DeploymentStartError
 from ...launch import process
+from ...launch.log_rotation import rotation_env
 from ...launch.spec import LaunchSpec, Role
 from .. import grpc_common
+from ..security import ADMIN_TOKEN_ENV
 from . import devices, registry
 from .deployment import DeploymentConfig
 from .watchdog import ReplicaWatchdog
@@ -65,19 +67,18 @@ class Supervisor:
     def _plan(self) -> list[Child]:
         cfg = self.config
         gpus = devices.replica_gpus(cfg.replica_num, cfg.model.tensor_parallel, cfg.gpu_groups, cfg.model.device)
+        base_env = {**os.environ, **rotation_env(cfg.log_max_bytes, cfg.log_backups)}
         children = []
         for i in range(cfg.replica_num):
-            env = dict(os.environ)
+            env = dict(base_env)
             if gpus is not None:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i])
             children.append(Child("replica", i, self.log_dir / f"replica-{i}.log", env))
-        children.append(Child("load-balancer", None, self.log_dir / "load-balancer.log", dict(os.environ)))
+        children.append(Child("load-balancer", None, self.log_dir / "load-balancer.log", dict(base_env)))
         if cfg.enable_restful_api:
-            children.append(Child("rest-gateway", None, self.log_dir / "rest-gateway.log", dict(os.environ)))
+            children.append(Child("rest-gateway", None, self.log_dir / "rest-gateway.log", dict(base_env)))
         if cfg.enable_openai_api:
-            children.append(
-                Child("openai-server", None, self.log_dir / "openai-server.log", dict(os.environ))
-            )
+            children.append(Child("openai-server", None, self.log_dir / "openai-server.log", dict(base_env)))
         return children
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -103,7 +104,9 @@ class Supervisor:
         log.info(
             "deployment %s ready: load balancer at %s", self.config.deployment_name, self.config.lb_address
         )
-        watchdog = ReplicaWatchdog(self._serving_replicas, self.config.replica_stall_timeout_s, self.stop)
+        watchdog = ReplicaWatchdog(
+            self._serving_replicas, self.config.replica_stall_timeout_s, self.stop, self.config.grpc_security()
+        )
         for _, pid in self._serving_replicas():
             watchdog.arm(pid)  # every replica answered health just now
         watchdog.start()
@@ -132,11 +135,12 @@ class Supervisor:
         cfg = self.config
         deadline = time.monotonic() + cfg.startup_timeout_s
         channels = {}
+        security = cfg.grpc_security()
         for child in self.children:
             if child.role == "replica":
-                channels[id(child)] = grpc_common.channel(cfg.replica_addresses[child.index])
+                channels[id(child)] = grpc_common.security_channel(cfg.replica_addresses[child.index], security)
             elif child.role == "load-balancer":
-                channels[id(child)] = grpc_common.channel(cfg.lb_address)
+                channels[id(child)] = grpc_common.security_channel(cfg.lb_address, security)
         waiting = list(self.children)
         try:
             while waiting and not self.stop.is_set():
@@ -238,6 +242,8 @@ class Supervisor:
                 replica_addresses=cfg.replica_addresses,
                 rest_url=cfg.rest_url,
                 openai_url=cfg.openai_url,
+                admin_token=os.environ.get(ADMIN_TOKEN_ENV, ""),
+                tls_ca_file=cfg.tls_ca_file or cfg.tls_cert_file,
                 log_dir=str(self.log_dir),
                 model=cfg.model.model_name_or_path,
                 error=error,

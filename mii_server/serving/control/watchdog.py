@@ -22,6 +22,7 @@ import grpc
 from ...wire import generation_pb2 as pb
 from ...wire import generation_pb2_grpc
 from .. import grpc_common
+from ..security import GrpcSecurity
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +33,17 @@ ANSWER_TIMEOUT_S = 1.0
 class ReplicaWatchdog:
     """Watches replicas given as (address, pid of the process now serving it) by ``targets()``."""
 
-    def __init__(self, targets: Callable[[], list[tuple[str, int]]], stall_timeout_s: float, stop: threading.Event) -> None:
+    def __init__(
+        self,
+        targets: Callable[[], list[tuple[str, int]]],
+        stall_timeout_s: float,
+        stop: threading.Event,
+        security: GrpcSecurity,
+    ) -> None:
         self._targets = targets
         self._stall_timeout_s = stall_timeout_s
         self._stop = stop
+        self._security = security
         self._channels: dict[str, grpc.Channel] = {}
         self._alive_at: dict[int, float] = {}  # pid -> last time it showed a working engine
         self.killed: list[int] = []  # pids this watchdog killed
@@ -81,7 +89,7 @@ class ReplicaWatchdog:
     def _working(self, address: str) -> bool:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc_common.channel(address)
+            channel = self._channels[address] = grpc_common.security_channel(address, self._security)
         try:
             reply = generation_pb2_grpc.GenerationStub(channel).Stats(pb.StatsRequest(), timeout=ANSWER_TIMEOUT_S)
         except grpc.RpcError:

@@ -18,11 +18,12 @@ import asyncio
 import subprocess
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
 
-from ...errors import ReplicaUnavailable
+from ...errors import InvalidRequest, ReplicaUnavailable
 from ...generation.params import GenerateParams
 from ...generation.response import Response
 from ...wire import convert, generation_pb2_grpc
@@ -31,6 +32,7 @@ from ...wire.prompts import Prompts, prompt_list
 from ...wire.types import Prompt, ReplicaStats, StreamChunk, Tokenized, TokenizerInfo
 from .. import grpc_common
 from ..control import registry
+from ..security import ApiKeys, call_metadata
 from ..status import error_from_rpc
 
 TERMINATE_WAIT_S = 120.0
@@ -46,17 +48,39 @@ class Client:
         timeout: float | None = None,
         supervisor: subprocess.Popen | None = None,
         supervisor_pid: int | None = None,
+        api_key: str | None = None,
+        admin_token: str = "",
+        tls_ca_file: str = "",
     ) -> None:
+        """``api_key``: presented on every call when the deployment requires one (None: the first key
+        of ``$MII_SERVER_API_KEY``); ``admin_token``: what ``terminate_server`` presents (``client(name)``
+        reads it from the owner-only registry record); ``tls_ca_file``: trust this CA and speak TLS."""
         self.address = address
         self.deployment_name = deployment_name
         self.timeout = timeout  # seconds per RPC; None waits as long as generation takes
         self._supervisor = supervisor  # set by serve(): the process to reap on terminate
         self._supervisor_pid_hint = supervisor_pid  # set by client(name), from the registry record
-        self._channel = grpc_common.channel(address)
-        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        self._api_key = ApiKeys.load().first if api_key is None else api_key
+        self._admin_token = admin_token
+        self._credentials = (
+            grpc.ssl_channel_credentials(root_certificates=Path(tls_ca_file).read_bytes()) if tls_ca_file else None
+        )
+        self._channel = grpc_common.channel(address, self._api_key, self._credentials)
+        self._sync_stub = generation_pb2_grpc.GenerationStub(self._channel)
+        self._closed = False
         self._aio: (
             tuple[asyncio.AbstractEventLoop, grpc.aio.Channel, generation_pb2_grpc.GenerationStub] | None
         ) = None
+
+    def _check_open(self) -> None:
+        # why: grpcio crashes the process (SIGSEGV) on a call over a closed synchronous channel
+        if self._closed:
+            raise InvalidRequest(f"this client of {self.address} is closed; make a new one")
+
+    @property
+    def _stub(self) -> generation_pb2_grpc.GenerationStub:
+        self._check_open()
+        return self._sync_stub
 
     def __repr__(self) -> str:
         return f"Client({self.address!r}, deployment_name={self.deployment_name!r})"
@@ -163,7 +187,7 @@ class Client:
         """Stop every process of the deployment; with ``wait``, return once they are gone."""
         pid = self._supervisor_pid()
         try:
-            self._stub.Terminate(pb.TerminateRequest(), timeout=60.0)
+            self._stub.Terminate(pb.TerminateRequest(), timeout=60.0, metadata=call_metadata(admin_token=self._admin_token))
         except grpc.RpcError as err:
             error = error_from_rpc(err, self.address)
             if not (
@@ -205,6 +229,7 @@ class Client:
         raise ReplicaUnavailable(f"deployment at {self.address} did not stop within {TERMINATE_WAIT_S}s")
 
     def close(self) -> None:
+        self._closed = True
         self._channel.close()
         self._aio = None  # an aio channel is closed by its own loop's shutdown (or by aclose)
 
@@ -303,9 +328,10 @@ class Client:
 
     def _aio_stub(self) -> generation_pb2_grpc.GenerationStub:
         # why per loop: a grpc.aio channel belongs to the event loop that created it
+        self._check_open()
         loop = asyncio.get_running_loop()
         if self._aio is None or self._aio[0] is not loop:
-            channel = grpc_common.aio_channel(self.address)
+            channel = grpc_common.aio_channel(self.address, self._api_key, self._credentials)
             self._aio = (loop, channel, generation_pb2_grpc.GenerationStub(channel))
         return self._aio[2]
 

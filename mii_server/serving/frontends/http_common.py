@@ -8,25 +8,22 @@ identified, authenticated, logged and counted the same way whichever server it r
 
 from __future__ import annotations
 
-import hmac
 import importlib.metadata
 import json
 import logging
-import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ...errors import InvalidRequest
 from ...wire.request_ids import request_id_from
 from ...wire.types import ReplicaStats
 from ..metrics import HttpMetrics
+from ..security import ApiKeys
 
 log = logging.getLogger(__name__)
 
-API_KEY_ENV = "MII_SERVER_API_KEY"
 REQUEST_ID_HEADER = "X-Request-Id"
 HEALTH_TIMEOUT_S = 2.0
 RETRY_AFTER_S = 1  # what a 503 tells the caller to wait
@@ -36,43 +33,6 @@ UNAUTHENTICATED = frozenset({"/health", "/healthz", "/metrics", "/version"})
 CLIENT_GONE_STATUS = 499  # nginx's "client closed request", for logs and metrics only
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SSE_DONE = "data: [DONE]\n\n"
-
-
-class ApiKeys:
-    """The accepted API keys; none means no authentication. Keys come from the environment or a file,
-    never from argv (command lines are visible to every user of the machine and land in logs)."""
-
-    def __init__(self, keys: list[str]) -> None:
-        self._keys = [k.encode() for k in keys if k]
-
-    @classmethod
-    def load(cls, key_file: str = "", environ: dict[str, str] | None = None) -> ApiKeys:
-        """Keys from ``$MII_SERVER_API_KEY`` (comma-separated) and ``key_file`` (one per line, # comments)."""
-        env = os.environ if environ is None else environ
-        keys = [k.strip() for k in env.get(API_KEY_ENV, "").split(",")]
-        if key_file:
-            try:
-                text = Path(key_file).read_text()
-            except OSError as err:
-                raise InvalidRequest(f"cannot read api_key_file {key_file!r}: {err}") from None
-            keys += [line.strip() for line in text.splitlines() if not line.strip().startswith("#")]
-        return cls([k for k in keys if k])
-
-    @property
-    def required(self) -> bool:
-        return bool(self._keys)
-
-    def allows(self, authorization: str | None) -> bool:
-        """True for ``Bearer <a known key>`` (or when no key is configured). Constant time per key, and
-        every key is compared, so timing reveals neither the key nor which one matched."""
-        if not self._keys:
-            return True
-        scheme, _, token = (authorization or "").partition(" ")
-        presented = token.strip().encode() if scheme.lower() == "bearer" else b""
-        ok = False
-        for key in self._keys:
-            ok |= hmac.compare_digest(presented, key)
-        return ok
 
 
 @dataclass

@@ -42,6 +42,7 @@ from ...errors import EngineDead, MIIServerError, ReplicaUnavailable
 from ...wire.types import StreamChunk, TokenizerInfo
 from ..control.roles import GatewayRole
 from ..metrics import HttpMetrics, exposition
+from ..security import ApiKeys
 from .client import Client
 from .http_common import (
     CLIENT_DISCONNECTED,
@@ -57,7 +58,6 @@ from .http_common import (
     REQUEST_TOO_LARGE,
     SSE_DONE,
     SSE_HEADERS,
-    ApiKeys,
     CorsPolicy,
     HttpInstrumentation,
     RequestScope,
@@ -519,7 +519,7 @@ class OpenAIServerThread:
 
         assert role.openai_port is not None
         keys = ApiKeys.load(role.api_key_file)
-        self._client = Client(role.load_balancer, deployment_name=role.deployment_name)
+        self._client = role.upstream_client()
         self._server = uvicorn.Server(
             uvicorn.Config(
                 create_app(

@@ -39,6 +39,7 @@ from ...wire.prompts import prompt_list
 from ...wire.types import Prompt, StreamChunk
 from ..control.roles import GatewayRole
 from ..metrics import HttpMetrics, exposition
+from ..security import ApiKeys
 from ..status import error_name_of, http_status_of
 from .client import Client
 from .http_common import (
@@ -52,7 +53,6 @@ from .http_common import (
     REQUEST_TOO_LARGE,
     SSE_DONE,
     SSE_HEADERS,
-    ApiKeys,
     CorsPolicy,
     HttpInstrumentation,
     InvalidJson,
@@ -330,7 +330,7 @@ class RestGatewayServer:
         assert role.rest_port is not None
         threading.stack_size(THREAD_STACK_BYTES)  # before waitress starts its threads
         self._upstream = LoopThread()
-        self._client = Client(role.load_balancer, deployment_name=role.deployment_name)
+        self._client = role.upstream_client()
         keys = ApiKeys.load(role.api_key_file)
         app = create_app(
             role.deployment_name, self._client, self._upstream, keys, allowed_origins=role.allowed_origins

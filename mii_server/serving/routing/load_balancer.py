@@ -39,6 +39,7 @@ from ...errors import MIIServerError, ReplicaUnavailable
 from ...wire import convert, generation_pb2_grpc
 from ...wire import generation_pb2 as pb
 from .. import grpc_common
+from ..security import ApiKeys, GrpcSecurity
 from ..status import ERROR_METADATA_KEY, abort_rpc, forward_rpc_error, is_retryable
 from .discovery import ReplicaDiscovery
 from .router import RoundRobinRouter, group_by_replica
@@ -90,7 +91,11 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
     belong to that loop). ``stop_requested`` is set by Terminate."""
 
     def __init__(
-        self, replica_addresses: Iterable[str] = (), replica_wait_s: float = 0.0, stall_timeout_s: float = 20.0
+        self,
+        replica_addresses: Iterable[str] = (),
+        replica_wait_s: float = 0.0,
+        stall_timeout_s: float = 20.0,
+        security: GrpcSecurity | None = None,
     ) -> None:
         """``replica_wait_s``: how long a request whose every replica failed waits for one to come
         back (a restart, or a new address) before it fails with ReplicaUnavailable; 0 fails at once.
@@ -98,6 +103,7 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
         unanswered, or one engine step running) before it counts as hung and its calls are failed over."""
         self.replica_wait_s = replica_wait_s
         self.stall_timeout_s = stall_timeout_s
+        self.security = security or GrpcSecurity(ApiKeys([]))  # the key and TLS trust of its replica channels
         self.router = RoundRobinRouter()
         self._links: dict[str, ReplicaLink] = {}
         self._closing: set[asyncio.Task] = set()  # channels of dropped replicas being closed
@@ -116,7 +122,7 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
         """Make ``addresses`` the replica set; returns (added, removed)."""
         added, removed = self.router.update(addresses)
         for address in added:
-            channel = grpc_common.aio_channel(address)
+            channel = grpc_common.security_aio_channel(address, self.security)
             self._links[address] = ReplicaLink(address, channel, generation_pb2_grpc.GenerationStub(channel))
         for address in removed:
             link = self._links.pop(address)
@@ -444,10 +450,12 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
         self, request: pb.TerminateRequest, context: grpc.aio.ServicerContext
     ) -> pb.TerminateReply:
         links = list(self._links.values())
+        admin = self.security.call_metadata(admin=True)  # this call was let in: it carried the token
         log.info("terminate: fanning out to %d replicas", len(links))
 
         replies = await asyncio.gather(
-            *(self._call(link, link.stub.Terminate(pb.TerminateRequest(), timeout=TERMINATE_TIMEOUT_S)) for link in links),
+            *(self._call(link, link.stub.Terminate(pb.TerminateRequest(), timeout=TERMINATE_TIMEOUT_S, metadata=admin))
+              for link in links),
             return_exceptions=True,
         )
         for reply in replies:

@@ -28,12 +28,14 @@ def run_load_balancer(role: LoadBalancerRole) -> int:
 
 async def _serve(role: LoadBalancerRole) -> int:
     discovery = ReplicaDiscovery(parse_targets(role.replicas))
+    security = role.grpc_security()
     balancer = LoadBalancer(
-        await discovery.resolve(), replica_wait_s=role.replica_wait_s, stall_timeout_s=role.replica_stall_timeout_s
-    )
+        await discovery.resolve(), replica_wait_s=role.replica_wait_s, stall_timeout_s=role.replica_stall_timeout_s,
+        security=security,
+    )  # fmt: skip
     stop = StopRequest(balancer.stop_requested)
     stop.install()
-    server, health = await grpc_common.start_server(balancer, role.host, role.port)
+    server, health = await grpc_common.start_server(balancer, role.host, role.port, security)
     await grpc_common.set_service_serving(health, "", True)
 
     async def on_change(any_up: bool, all_up: bool) -> None:
