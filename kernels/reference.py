@@ -234,7 +234,10 @@ def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple
     router_logits: [T, E]. Returns (float32 weights [T, k], int64 expert ids [T, k]), descending.
     """
     probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+    # why a stable sort, not topk: equal probabilities (equal half-precision logits) go to the lower
+    # expert id, as the Triton router picks them; CUDA's topk orders ties arbitrarily
+    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, ids = weights[:, :top_k], ids[:, :top_k]
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids

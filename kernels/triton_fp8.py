@@ -23,6 +23,7 @@ from .reference_quant import FP8_MAX, FP8_SCALE_FLOOR
 from .triton_quant import gemm_tile, store_gemm_tile
 
 FP8_GEMMS = ("auto", "triton", "scaled_mm")
+FP8_MMA_K = 32  # the K of one Hopper fp8 wgmma: accumulation is promoted to fp32 after each
 
 
 @triton.jit
@@ -68,7 +69,7 @@ def _fp8_gemm_kernel(
     q_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
     M, N, K, stride_qm, stride_wn, stride_ws, stride_om,
     GROUP_K: tl.constexpr, PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROMOTE_K: tl.constexpr,
 ):  # fmt: skip
     rm, rn, m_ok, n_ok = gemm_tile(M, N, BLOCK_M, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -79,11 +80,14 @@ def _fp8_gemm_kernel(
         a = tl.load(q_ptr + rm[:, None] * stride_qm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + k[:, None],
                     mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # fmt: skip
+        # why max_num_imprecise_acc: on sm_90 Triton lets fp8 wgmma accumulate a whole K in the tensor
+        # cores' reduced-precision adder (~14 bits); promoting every PROMOTE_K products to fp32 keeps
+        # the reference's accuracy (4096-deep products were off by 30 fp16 ulps without it)
         if PER_GROUP:  # BLOCK_K divides GROUP_K: one weight scale per output column in this step
             w_scale = tl.load(w_scale_ptr + rn * stride_ws + k0 // GROUP_K, mask=n_ok, other=0.0)
-            acc += tl.dot(a, b) * w_scale[None, :]
+            acc += tl.dot(a, b, max_num_imprecise_acc=PROMOTE_K) * w_scale[None, :]
         else:
-            acc = tl.dot(a, b, acc)
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE_K)
     if not PER_GROUP:
         acc = acc * tl.load(w_scale_ptr + rn * stride_ws, mask=n_ok, other=0.0)[None, :]
     acc = acc * tl.load(x_scale_ptr + rm, mask=m_ok, other=0.0)[:, None]
@@ -120,7 +124,7 @@ def fp8_gemm_triton(
         q, x_scale, weight, scale, bias if bias is not None else scale, out,
         m, n, k, q.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
         GROUP_K=group_k, PER_GROUP=groups > 1, HAS_BIAS=bias is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PROMOTE_K=min(bk, FP8_MMA_K), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 

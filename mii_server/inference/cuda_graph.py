@@ -83,6 +83,9 @@ class DecodeGraphs:
         """Forget every graph (the pool they read was replaced)."""
         self._graphs.clear()
         self._pool = None
+        # why a new memory pool: the caching allocator frees a graph pool once its last graph is gone,
+        # and capturing into the freed pool's handle trips its internal assert (use_count > 0)
+        self.mempool = torch.cuda.graph_pool_handle()
 
     def run(
         self, pool: KVPool, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
