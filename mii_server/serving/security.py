@@ -5,7 +5,7 @@
   and every HTTP route but the probes ``Authorization: Bearer KEY``. Processes of the deployment send
   the first key to each other; a client sends ``Client(api_key=...)`` or ``$MII_SERVER_API_KEY``.
 - **The admin token** (``$MII_SERVER_ADMIN_TOKEN``): ``Terminate`` needs ``x-mii-admin-token``
-  whether or not keys are set. ``serve()`` and ``mii-server serve`` make a fresh one per deployment,
+  whether or not keys are set, and needs nothing else (the token outranks a key). ``serve()`` and ``mii-server serve`` make a fresh one per deployment,
   hand it to its processes by environment and keep it in the owner-only registry record, so the
   owner's ``client(name).terminate_server()`` and ``mii-server stop`` work and nobody else's do. A
   process with no token refuses every ``Terminate`` (a Kubernetes pod is stopped by Kubernetes).
@@ -158,9 +158,11 @@ class _CallerCheck(grpc.aio.ServerInterceptor):
         if not method.startswith(_PROTECTED_SERVICE):
             return await continuation(details)
         metadata = {k: v for k, v in details.invocation_metadata or () if isinstance(v, str)}
+        if method in _ADMIN_METHODS and self._admin_ok(metadata.get(ADMIN_TOKEN_METADATA, "")):
+            return await continuation(details)  # the owner's token is enough: `mii-server stop` needs no key
         if not self._keys.allows(metadata.get(AUTHORIZATION)):
             return _refusal(method, Unauthorized("missing or invalid API key: send 'authorization: Bearer <key>' metadata"))
-        if method in _ADMIN_METHODS and not self._admin_ok(metadata.get(ADMIN_TOKEN_METADATA, "")):
+        if method in _ADMIN_METHODS:
             return _refusal(method, Forbidden("Terminate needs this deployment's admin token (x-mii-admin-token)"))
         return await continuation(details)
 

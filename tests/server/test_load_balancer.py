@@ -152,6 +152,9 @@ def test_with_an_api_key_every_rpc_needs_it_but_health(bg: LoopThread) -> None:
                 keyed.terminate_server(wait=False)  # a key is not the admin token
         with pytest.raises(InvalidRequest, match="closed"):
             keyed.generate(["after close"])  # grpcio itself would crash the process here
+        with Client(address, api_key="", admin_token=ADMIN_TOKEN) as owner:
+            owner.terminate_server(wait=False)  # the owner's token alone stops it (mii-server stop, no key)
+        assert balancer.stop_requested.is_set()
     finally:
         bg.run(server.stop(0))
         bg.run(replica.stop(0))

@@ -34,6 +34,8 @@ def test_env_var_overrides_the_directory(tmp_path, monkeypatch) -> None:
     assert registry.registry_dir() == tmp_path / "reg"
     assert (tmp_path / "reg").is_dir() and (tmp_path / "reg").stat().st_mode & 0o777 == 0o700
     assert registry.registry_dir(str(tmp_path / "explicit")) == tmp_path / "explicit"
+    logs = registry.log_dir("d")
+    assert all(p.stat().st_mode & 0o777 == 0o700 for p in (logs, logs.parent))  # prompts land in logs
 
 
 def test_write_read_list_remove(tmp_path) -> None:

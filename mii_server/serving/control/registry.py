@@ -85,8 +85,10 @@ def record_path(name: str, directory: str = "") -> Path:
 
 
 def log_dir(name: str, directory: str = "") -> Path:
-    path = registry_dir(directory) / "logs" / name
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    logs = registry_dir(directory) / "logs"
+    logs.mkdir(exist_ok=True, mode=0o700)  # why not parents=True: parents would get the umask's mode
+    path = logs / name
+    path.mkdir(exist_ok=True, mode=0o700)
     return path
 
 
