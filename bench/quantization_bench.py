@@ -45,6 +45,7 @@ from gpu_benchmark import HBM_BYTES_PER_S, drive, random_prompts, report
 # name -> (quantization_mode, fp8 GEMM, KV cache dtype)
 CONFIGS: dict[str, tuple[str | None, str, str]] = {
     "bf16": (None, "auto", "auto"),
+    "fp8": ("fp8", "auto", "auto"),  # what quantization_mode="fp8" runs: Triton at few rows, scaled_mm above
     "fp8-scaled_mm": ("fp8", "scaled_mm", "auto"),
     "fp8-triton": ("fp8", "triton", "auto"),
     "int8": ("int8", "auto", "auto"),
