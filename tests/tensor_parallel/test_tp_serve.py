@@ -46,6 +46,21 @@ def test_tp2_two_replicas_serve_and_terminate(tiny_checkpoints: dict[str, Path])
     wait_for(lambda: not deployment_processes(name, registry_dir), 60, "every rank to exit")
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_moe_served_at_tp2_equals_one_process(family: str, tiny_checkpoints: dict[str, Path]) -> None:
+    """Experts split like MLPs across the ranks of a served replica give one process's greedy tokens."""
+    path = str(tiny_checkpoints[family])
+    pipe = mii_server.pipeline(path)
+    expected = [r.token_ids for r in pipe(PROMPTS[:3], max_new_tokens=8, do_sample=False, ignore_eos=True)]
+    pipe.destroy()
+    client = mii_server.serve(path, deployment_name=f"tp-{family}", tensor_parallel=2, port_number=free_port_block(4))
+    try:
+        out = client.generate(PROMPTS[:3], max_new_tokens=8, do_sample=False, ignore_eos=True)
+        assert [r.token_ids for r in out] == expected
+    finally:
+        client.terminate_server()
+
+
 def test_a_follower_killed_restarts_the_replica(tiny_checkpoints: dict[str, Path]) -> None:
     path = str(tiny_checkpoints["llama"])
     name = "tp-restart-test"
