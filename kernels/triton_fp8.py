@@ -158,7 +158,9 @@ def fp8_linear(
     ``auto``: the Triton kernel up to ``TRITON_MAX_ROWS`` rows, where a step only reads weights and its
     narrow tiles keep more of HBM busy, and ``scaled_mm`` above. Measured on one H200 (Llama-3-8B shape,
     docs/BENCHMARKS.md 2026-12-02): batch-1 decode 4.02 ms/token with Triton against 5.11 with
-    scaled_mm; 256 x 512 / 256 throughput 13,126 tok/s with scaled_mm against 8,622 with Triton."""
+    scaled_mm; 256 x 512 / 256 throughput 13,126 tok/s with scaled_mm against 8,622 with Triton. The
+    crossover between 1 and 256 rows was not measured: 16 is where ``_tiles`` leaves its weight-bound
+    configuration."""
     q, x_scale = quantize_fp8_per_token(x)
     use_triton = gemm == "triton" or (gemm == "auto" and x.shape[0] <= TRITON_MAX_ROWS)
     if not use_triton and scale.shape[1] == 1:

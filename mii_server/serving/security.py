@@ -118,11 +118,16 @@ class GrpcSecurity:
 
     # ---- client side -----------------------------------------------------------------------------
     def channel_credentials(self) -> grpc.ChannelCredentials | None:
-        return grpc.ssl_channel_credentials(root_certificates=_read(self.tls_ca_file)) if self.tls_ca_file else None
+        return trusting(self.tls_ca_file)
 
     def call_metadata(self, admin: bool = False) -> tuple[tuple[str, str], ...]:
         """Metadata of a call this process makes to another of its deployment."""
         return call_metadata(self.keys.first, self.admin_token if admin else "")
+
+
+def trusting(ca_file: str) -> grpc.ChannelCredentials | None:
+    """TLS channel credentials trusting the PEM certificates in ``ca_file`` (None: plaintext)."""
+    return grpc.ssl_channel_credentials(root_certificates=_read(ca_file)) if ca_file else None
 
 
 def call_metadata(api_key: str = "", admin_token: str = "") -> tuple[tuple[str, str], ...]:

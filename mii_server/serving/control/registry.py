@@ -103,7 +103,10 @@ def write(record: DeploymentRecord, directory: str = "") -> None:
 
 def read(name: str, directory: str = "") -> DeploymentRecord | None:
     """The record of ``name`` (None when absent or torn); ``UntrustedRegistry`` when it is not ours alone."""
-    path = record_path(name, directory)
+    return _read_record(record_path(name, directory))
+
+
+def _read_record(path: Path) -> DeploymentRecord | None:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
@@ -136,9 +139,9 @@ def remove(name: str, directory: str = "", only_pid: int | None = None) -> None:
 
 def list_records(directory: str = "") -> list[DeploymentRecord]:
     out = []
-    for path in sorted(registry_dir(directory).glob("*.json")):
+    for path in sorted(registry_dir(directory).glob("*.json")):  # the directory checked once
         try:
-            record = read(path.stem, directory)
+            record = _read_record(path)
         except UntrustedRegistry as err:
             log.warning("skipped: %s", err)  # one planted file must not hide the user's own deployments
             continue

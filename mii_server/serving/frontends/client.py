@@ -18,7 +18,6 @@ import asyncio
 import subprocess
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -32,7 +31,7 @@ from ...wire.prompts import Prompts, prompt_list
 from ...wire.types import Prompt, ReplicaStats, StreamChunk, Tokenized, TokenizerInfo
 from .. import grpc_common
 from ..control import registry
-from ..security import ApiKeys, call_metadata
+from ..security import ApiKeys, call_metadata, trusting
 from ..status import error_from_rpc
 
 TERMINATE_WAIT_S = 120.0
@@ -62,9 +61,7 @@ class Client:
         self._supervisor_pid_hint = supervisor_pid  # set by client(name), from the registry record
         self._api_key = ApiKeys.load().first if api_key is None else api_key
         self._admin_token = admin_token
-        self._credentials = (
-            grpc.ssl_channel_credentials(root_certificates=Path(tls_ca_file).read_bytes()) if tls_ca_file else None
-        )
+        self._credentials = trusting(tls_ca_file)
         self._channel = grpc_common.channel(address, self._api_key, self._credentials)
         self._sync_stub = generation_pb2_grpc.GenerationStub(self._channel)
         self._closed = False
@@ -109,10 +106,7 @@ class Client:
         prompts_, request = self._request(prompts, generate_kwargs, request_id)
         if not prompts_:
             return []
-        try:
-            reply = self._stub.Generate(request, timeout=self.timeout)
-        except grpc.RpcError as err:
-            raise error_from_rpc(err, self.address) from None
+        reply = self._call("Generate", request, self.timeout)
         return convert.reply_from_proto(reply, len(prompts_))
 
     __call__ = generate  # MII's client is callable too
@@ -143,10 +137,7 @@ class Client:
         ``InvalidRequest`` when the model has no chat template.
         """
         request = convert.chat_request_to_proto(messages, add_generation_prompt=True, request_id=request_id)
-        try:
-            reply = self._stub.ApplyChatTemplate(request, timeout=self.timeout)
-        except grpc.RpcError as err:
-            raise error_from_rpc(err, self.address) from None
+        reply = self._call("ApplyChatTemplate", request, self.timeout)
         return convert.chat_prompt_from_proto(reply)
 
     def tokenize(
@@ -161,26 +152,17 @@ class Client:
         tokens the tokenizer adds, such as BOS, unless ``add_special_tokens=False``), token ids are
         checked against the vocabulary and decoded. ``token_strings``: also each token decoded alone."""
         request = self._tokenize_request(prompts, add_special_tokens, token_strings, request_id)
-        try:
-            reply = self._stub.Tokenize(request, timeout=self.timeout)
-        except grpc.RpcError as err:
-            raise error_from_rpc(err, self.address) from None
+        reply = self._call("Tokenize", request, self.timeout)
         return convert.tokenized_from_proto(reply)
 
     def tokenizer_info(self) -> TokenizerInfo:
         """The tokenizer's special tokens and chat template, the vocabulary size and the context length."""
-        try:
-            reply = self._stub.TokenizerInfo(pb.TokenizerInfoRequest(), timeout=self.timeout)
-        except grpc.RpcError as err:
-            raise error_from_rpc(err, self.address) from None
+        reply = self._call("TokenizerInfo", pb.TokenizerInfoRequest(), self.timeout)
         return convert.tokenizer_info_from_proto(reply)
 
     def stats(self, timeout: float = 30.0) -> list[ReplicaStats]:
         """Counters of every replica (down ones have ``healthy=False``)."""
-        try:
-            reply = self._stub.Stats(pb.StatsRequest(), timeout=timeout)
-        except grpc.RpcError as err:
-            raise error_from_rpc(err, self.address) from None
+        reply = self._call("Stats", pb.StatsRequest(), timeout)
         return [convert.stats_from_proto(r) for r in reply.replicas]
 
     def terminate_server(self, wait: bool = True) -> None:
@@ -253,10 +235,7 @@ class Client:
         prompts_, request = self._request(prompts, generate_kwargs, request_id)
         if not prompts_:
             return []
-        try:
-            reply = await self._aio_stub().Generate(request, timeout=self.timeout)
-        except grpc.RpcError as err:
-            raise error_from_rpc(err, self.address) from None
+        reply = await self._acall("Generate", request, self.timeout)
         return convert.reply_from_proto(reply, len(prompts_))
 
     def agenerate_stream(
@@ -288,10 +267,7 @@ class Client:
     async def aapply_chat_template(self, messages: list[tuple[str, str]], *, request_id: str = "") -> str:
         """Async twin of ``apply_chat_template``."""
         request = convert.chat_request_to_proto(messages, add_generation_prompt=True, request_id=request_id)
-        try:
-            reply = await self._aio_stub().ApplyChatTemplate(request, timeout=self.timeout)
-        except grpc.RpcError as err:
-            raise error_from_rpc(err, self.address) from None
+        reply = await self._acall("ApplyChatTemplate", request, self.timeout)
         return convert.chat_prompt_from_proto(reply)
 
     async def atokenize(
@@ -304,26 +280,17 @@ class Client:
     ) -> list[Tokenized]:
         """Async twin of ``tokenize``."""
         request = self._tokenize_request(prompts, add_special_tokens, token_strings, request_id)
-        try:
-            reply = await self._aio_stub().Tokenize(request, timeout=self.timeout)
-        except grpc.RpcError as err:
-            raise error_from_rpc(err, self.address) from None
+        reply = await self._acall("Tokenize", request, self.timeout)
         return convert.tokenized_from_proto(reply)
 
     async def atokenizer_info(self) -> TokenizerInfo:
         """Async twin of ``tokenizer_info``."""
-        try:
-            reply = await self._aio_stub().TokenizerInfo(pb.TokenizerInfoRequest(), timeout=self.timeout)
-        except grpc.RpcError as err:
-            raise error_from_rpc(err, self.address) from None
+        reply = await self._acall("TokenizerInfo", pb.TokenizerInfoRequest(), self.timeout)
         return convert.tokenizer_info_from_proto(reply)
 
     async def astats(self, timeout: float = 30.0) -> list[ReplicaStats]:
         """Async twin of ``stats``."""
-        try:
-            reply = await self._aio_stub().Stats(pb.StatsRequest(), timeout=timeout)
-        except grpc.RpcError as err:
-            raise error_from_rpc(err, self.address) from None
+        reply = await self._acall("Stats", pb.StatsRequest(), timeout)
         return [convert.stats_from_proto(r) for r in reply.replicas]
 
     def _aio_stub(self) -> generation_pb2_grpc.GenerationStub:
@@ -336,6 +303,20 @@ class Client:
         return self._aio[2]
 
     # ---- helpers ----------------------------------------------------------------------------
+    def _call(self, method: str, request: Any, timeout: float | None) -> Any:
+        """One unary RPC; a failure raised as the typed error it stands for."""
+        try:
+            return getattr(self._stub, method)(request, timeout=timeout)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, self.address) from None
+
+    async def _acall(self, method: str, request: Any, timeout: float | None) -> Any:
+        """Async twin of ``_call``, on this event loop's channel."""
+        try:
+            return await getattr(self._aio_stub(), method)(request, timeout=timeout)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, self.address) from None
+
     def _request(
         self, prompts: Prompts, kwargs: dict[str, Any], request_id: str = ""
     ) -> tuple[list[Prompt], pb.GenerateRequest]:
