@@ -3,7 +3,8 @@
 - decode: batch 64, context 2048, Llama-3-8B heads (32 q / 8 kv, D=128), bf16; achieved bytes/s
   (K+V read plus q and out) as a fraction of the HBM ceiling.
 - prefill: 8 sequences x 2048 new tokens, same heads; achieved causal TFLOP/s as a fraction of the
-  dense bf16 matmul rate. torch SDPA (flash, contiguous K/V) is printed beside it as a yardstick.
+  dense bf16 matmul rate; beside it every library kernel torch offers for the same problem
+  (FlashAttention-2 varlen, cuDNN varlen and dense, SDPA's backends), each checked first.
 - ``--blas``: Llama-3-8B's linear layers at 1, 256 and 8192 rows through cuBLAS and cuBLASLt, against
   the larger of their weight-read and compute floors.
 
@@ -127,17 +128,6 @@ def bench_prefill(sweep: bool, block_size: int) -> list[dict]:
         f"prefill_{nseq}x{length}_bs{block_size}", ms, TFLOPs=tf / 1e12, frac_bf16=tf / BF16_FLOPS,
         reference_ms=ref_ms, speedup_vs_reference=ref_ms / ms,
     ))  # fmt: skip
-    # yardstick: torch SDPA (flash) on contiguous [S, H, L, D] tensors of the same problem
-    qs = q.view(nseq, length, hq, d).transpose(1, 2)
-    ks = torch.randn(nseq, hk, length, d, device="cuda", dtype=torch.bfloat16)
-    vs = torch.randn_like(ks)
-    try:
-        sdpa_ms = do_bench(
-            lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True), rep=200
-        )
-        _report("prefill_torch_sdpa", sdpa_ms, TFLOPs=flops / sdpa_ms / 1e-3 / 1e12)
-    except Exception as exc:  # noqa: BLE001 - the yardstick is optional
-        print(json.dumps({"bench": "prefill_torch_sdpa", "error": str(exc)[:120]}))
     rows += bench_prefill_library(q, k_cache, v_cache, meta, scale, flops)
     if sweep:
         for block_m, block_n, warps, stages in (
@@ -174,37 +164,65 @@ def context_slots(meta: AttentionMetadata, block_size: int) -> torch.Tensor:
 
 
 def bench_prefill_library(q, k_cache, v_cache, meta, scale, flops) -> list[dict]:
-    """The library alternative for long prefill chunks (issue 16): FlashAttention-2 varlen through
-    ``aten._flash_attention_forward`` (GQA, bottom-right causal) on K/V gathered from the paged cache
-    into contiguous [T, Hk, D]. Times the attention alone and with the gather it would need."""
+    """The library alternatives for prefill attention (issue 16), each checked against the reference
+    and timed on K/V gathered from the paged cache into contiguous tensors (gather not timed):
+
+    - ``fa2_varlen``: FlashAttention-2 varlen, ``aten._flash_attention_forward`` (GQA native);
+    - ``cudnn_varlen`` / ``cudnn_varlen_mha``: cuDNN's fused attention, varlen through
+      ``aten._cudnn_attention_forward`` (``cum_seq_*``), with GQA heads and with K/V repeated to all
+      query heads;
+    - ``sdpa_<backend>``: ``F.scaled_dot_product_attention`` on padded [S, H, L, D] tensors with one
+      backend forced (cuDNN, flash, memory-efficient), GQA through ``enable_gqa``.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     block_size, hk, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    hq = q.shape[1]
     slots = context_slots(meta, block_size)
     cu_k = torch.zeros_like(meta.cu_q_lens)
     cu_k[1:] = meta.context_lens.cumsum(0)
+    k = k_cache.view(-1, hk, d).index_select(0, slots)
+    v = v_cache.view(-1, hk, d).index_select(0, slots)
+    k_mha, v_mha = (t.repeat_interleave(hq // hk, dim=1) for t in (k, v))
+    max_q, max_k = meta.max_q_len, meta.max_context_len
+    nseq, length = meta.num_seqs, max_q  # the padded layout assumes equal fresh sequences
 
-    def gather() -> tuple[torch.Tensor, torch.Tensor]:
-        return k_cache.view(-1, hk, d).index_select(0, slots), v_cache.view(-1, hk, d).index_select(0, slots)
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        return t.view(nseq, length, t.shape[1], d).transpose(1, 2)
 
-    k, v = gather()
+    def sdpa(backend):
+        def run():
+            with sdpa_kernel(backend):
+                out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), is_causal=True, scale=scale,
+                                                     enable_gqa=True)  # fmt: skip
+            return out.transpose(1, 2).reshape(q.shape)
 
-    def attend(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._flash_attention_forward(
-            q, k, v, meta.cu_q_lens, cu_k, meta.max_q_len, meta.max_context_len, 0.0, True, False, scale=scale
-        )[0]
+        return run
 
-    try:
-        expected = reference.paged_attention(q, k_cache, v_cache, meta, scale)
-        torch.testing.assert_close(attend(k, v), expected, atol=2e-2, rtol=2e-2)
-        ms = do_bench(lambda: attend(k, v), rep=200)
-        with_gather = do_bench(lambda: attend(*gather()), rep=200)
-    except Exception as exc:  # noqa: BLE001 - the op's signature differs across torch versions
-        print(json.dumps({"bench": "prefill_fa2_varlen", "error": str(exc)[:200]}))
-        return []
-    rate = lambda ms: flops / ms / 1e-3
-    return [
-        _report("prefill_fa2_varlen", ms, TFLOPs=rate(ms) / 1e12, frac_bf16=rate(ms) / BF16_FLOPS),
-        _report("prefill_fa2_varlen_with_gather", with_gather, frac_bf16=rate(with_gather) / BF16_FLOPS),
-    ]
+    candidates = {
+        "fa2_varlen": lambda: torch.ops.aten._flash_attention_forward(
+            q, k, v, meta.cu_q_lens, cu_k, max_q, max_k, 0.0, True, False, scale=scale)[0],
+        "cudnn_varlen": lambda: torch.ops.aten._cudnn_attention_forward(
+            q, k, v, None, meta.cu_q_lens, cu_k, max_q, max_k, False, 0.0, True, scale=scale)[0],
+        "cudnn_varlen_mha": lambda: torch.ops.aten._cudnn_attention_forward(
+            q, k_mha, v_mha, None, meta.cu_q_lens, cu_k, max_q, max_k, False, 0.0, True, scale=scale)[0],
+    }  # fmt: skip
+    if meta.context_lens.eq(length).all() and q.shape[0] == nseq * length:
+        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+                              ("efficient", SDPBackend.EFFICIENT_ATTENTION)):  # fmt: skip
+            candidates[f"sdpa_{name}"] = sdpa(backend)
+    expected = reference.paged_attention(q, k_cache, v_cache, meta, scale)
+    rows = []
+    for name, run in candidates.items():
+        try:
+            torch.testing.assert_close(run(), expected, atol=2e-2, rtol=2e-2)
+            ms = do_bench(run, rep=200)
+        except Exception as exc:  # noqa: BLE001 - a backend may be missing or refuse the shape
+            print(json.dumps({"bench": f"prefill_{name}", "error": str(exc)[:200]}))
+            continue
+        rate = flops / ms / 1e-3
+        rows.append(_report(f"prefill_{name}", ms, TFLOPs=rate / 1e12, frac_bf16=rate / BF16_FLOPS))
+    return rows
 
 
 # Llama-3-8B's linear layers, (N, K): qkv, o_proj, gate_up, down, LM head
