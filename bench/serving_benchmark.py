@@ -76,11 +76,23 @@ class RunPlan:
     concurrency: int = 0
     rate: float = 0.0
     targets: tuple[Goal, ...] = field(default_factory=tuple)
+    round: int = 0  # with --repeat: which round of the plan (0: not repeated)
 
     @property
     def name(self) -> str:
         load = f"c={self.concurrency}" if self.concurrency else f"{self.rate:g} req/s"
-        return f"{self.frontend} {load}"
+        return f"{self.frontend} {load}" + (f" round {self.round}" if self.round else "")
+
+
+def with_rounds(plans: list[RunPlan], rounds: int) -> list[RunPlan]:
+    """The closed-loop plans ``rounds`` times over, interleaved (round 1 of every plan, then round 2, ...),
+    each round its own plan; open-loop plans run once, after them."""
+    closed = [p for p in plans if p.concurrency]
+    if rounds <= 1 or not closed:
+        return plans
+    return [replace(p, round=r + 1) for r in range(rounds) for p in closed] + [
+        p for p in plans if not p.concurrency
+    ]
 
 
 def fixed(input_len: int, output_len: int, count: int) -> Workload:
@@ -275,17 +287,31 @@ def baseline_key(workload: Workload) -> str:
 
 
 def measure_baselines(
-    maker: PromptMaker, model: str, serve_kwargs: dict[str, Any], workloads: list[Workload], seed: int
-) -> dict[str, Any]:
-    """pipeline() on each workload (prompts of their own seeds: the baseline's loop caches prefixes too)."""
+    maker: PromptMaker, model: str, serve_kwargs: dict[str, Any], workloads: list[Workload], seed: int,
+    rounds: int = 1,
+) -> dict[str, Any]:  # fmt: skip
+    """pipeline() on each workload, ``rounds`` times each, rounds interleaved (prompts of their own
+    seeds: the baseline's loop caches prefixes too); each workload's figures are its median round's."""
     import serving_baseline
 
     works = []
-    for j, w in enumerate(workloads):
-        lengths = w.lengths()
-        prompts = maker.prompts([i for i, _ in lengths], seed + j)
-        works.append(BaselineWork(baseline_key(w), prompts, [o for _, o in lengths]))
-    return serving_baseline.measure(model, pipeline_kwargs(model, serve_kwargs), works)
+    for r in range(rounds):
+        for j, w in enumerate(workloads):
+            lengths = w.lengths()
+            prompts = maker.prompts([i for i, _ in lengths], seed + j + 100 * r)
+            works.append(BaselineWork(f"{baseline_key(w)} round {r + 1}", prompts, [o for _, o in lengths]))
+    figures = serving_baseline.measure(model, pipeline_kwargs(model, serve_kwargs), works)
+    if "workloads" in figures:
+        measured = figures["workloads"]
+        figures["workloads"] = {}
+        for w in workloads:
+            each = [measured[f"{baseline_key(w)} round {r + 1}"] for r in range(rounds)]
+            median = sorted(each, key=lambda fig: fig["output_tok_s"])[(rounds - 1) // 2]
+            figures["workloads"][baseline_key(w)] = {
+                **median,
+                "rounds_output_tok_s": [f["output_tok_s"] for f in each],
+            }
+    return figures
 
 
 def run_plans(
@@ -317,6 +343,7 @@ def main() -> None:
     model, checkpoint = resolve_model(args)
     plans = PRESETS[args.preset][1]() if args.preset else sweep_plans(args)
     plans = [p for p in plans if p.frontend in args.frontends]
+    plans = with_rounds(plans, args.repeat)
     if not plans:
         raise SystemExit("nothing to run: no concurrency, no request rate, or no front end")
 
@@ -332,7 +359,7 @@ def main() -> None:
           flush=True)  # fmt: skip
     baseline = {"skipped": True}
     if closed:
-        baseline = measure_baselines(maker, model, serve_kwargs, closed, seed + 500)
+        baseline = measure_baselines(maker, model, serve_kwargs, closed, seed + 500, args.repeat)
 
     runs: list[dict[str, Any]] = []
     pool = ClientPool(max(1, args.client_processes))
@@ -350,7 +377,8 @@ def main() -> None:
 def finish_run(plan: RunPlan, summary: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
     """The summary with the run's plan, its pipeline ratio and its targets checked."""
     run: dict[str, Any] = {"name": plan.name, "frontend": plan.frontend, "concurrency": plan.concurrency or None,
-                           "request_rate": plan.rate or None, "workload": plan.workload.label, **summary}  # fmt: skip
+                           "request_rate": plan.rate or None, "workload": plan.workload.label, "round": plan.round or None,
+                           **summary}  # fmt: skip
     pipe = baseline.get("workloads", {}).get(baseline_key(plan.workload)) if plan.concurrency else None
     run["pipeline_output_tok_s"] = None if pipe is None else pipe["output_tok_s"]
     run["ratio_vs_pipeline"] = None if pipe is None else summary["output_tok_s"] / pipe["output_tok_s"]
@@ -375,6 +403,17 @@ def print_run(run: dict[str, Any]) -> None:
         print(f"    error: {message}", flush=True)
 
 
+def rounds_by_plan(runs: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Repeated closed-loop plans (``--repeat``): each plan's ratios to ``pipeline()``, in round order."""
+    out: dict[str, list[float]] = {}
+    for run in runs:
+        if run.get("round") and run["ratio_vs_pipeline"] is not None:
+            out.setdefault(f"{run['frontend']} c={run['concurrency']} on {run['workload']}", []).append(
+                run["ratio_vs_pipeline"]
+            )
+    return out
+
+
 def report(args: argparse.Namespace, baseline: dict[str, Any], runs: list[dict[str, Any]]) -> None:
     print()
     if "error" in baseline:
@@ -382,8 +421,13 @@ def report(args: argparse.Namespace, baseline: dict[str, Any], runs: list[dict[s
     for key, fig in baseline.get("workloads", {}).items():
         print(
             f"pipeline() {key}: {fig['output_tok_s']:,.0f} output tok/s, {fig['seconds']:.2f} s ({fig['method']})"
-        )
+            + (f"; median of rounds {', '.join(f'{x:,.0f}' for x in fig['rounds_output_tok_s'])}"
+               if len(fig.get("rounds_output_tok_s", ())) > 1 else "")
+        )  # fmt: skip
     print(format_table([table_row(r) for r in runs]))
+    for name, ratios in rounds_by_plan(runs).items():
+        print(f"{name}: ratio to pipeline() by round {', '.join(f'{x:.2f}' for x in ratios)}; "
+              f"median {sorted(ratios)[(len(ratios) - 1) // 2]:.2f}, worst {min(ratios):.2f}")  # fmt: skip
     print(
         "(latencies in ms; open: most streams in flight at once; CPU in cores: the busiest client process, "
         "and the busiest role of the deployment; SAT: a client process near one full core)"
@@ -447,6 +491,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--request-timeout", type=float, default=300.0, help="seconds; a request past it is an error"
     )
+    p.add_argument("--repeat", type=int, default=1, help="run the closed-loop plans this many rounds (fresh "
+                   "prompts each, plans interleaved) and the pipeline() baselines as often; ratios use the "
+                   "baselines' median, and the median round of each plan is reported")  # fmt: skip
     p.add_argument("--no-pipeline", action="store_true", help="skip the pipeline() baseline")
     p.add_argument("--json", default="", help="write every run's figures here")
     p.add_argument(
