@@ -74,7 +74,8 @@ class Request:
     full_logits_pending: bool = field(init=False)
     wants_logprobs: bool = field(init=False)  # logprobs asked for
     penalized: bool = field(init=False)  # presence, frequency or repetition penalty asked for
-    _row: SamplingRow | None = field(init=False, default=None)  # once min_new_tokens is past
+    # the rows sampling_row hands out, built once each: before min_new_tokens (stop ids banned), after
+    _rows: dict[bool, SamplingRow] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.stop_strings = StopStringMatcher(self.params.stop)
@@ -131,12 +132,14 @@ class Request:
     def sampling_row(self, penalties: PenaltyCounts | None = None) -> SamplingRow:
         """How to sample this request's next token; a penalized request needs ``penalties``.
 
-        The same row serves every step once min_new_tokens is reached (its PenaltyCounts row is
-        the request's for its whole life): building it per token would cost the hot loop."""
-        if self._row is not None:
-            return self._row
+        A request has at most two rows, each built once: one banning its stop ids until
+        min_new_tokens is reached (none when it has no stop ids), then one without (its PenaltyCounts
+        row is the request's for its whole life): building a row per token would cost the hot loop."""
         p = self.params
-        banning = self.num_generated < p.min_new_tokens
+        banning = bool(self.stop_ids) and self.num_generated < p.min_new_tokens
+        row = self._rows.get(banning)
+        if row is not None:
+            return row
         penalty_row = None
         if self.penalized:
             assert penalties is not None, "a penalized request samples with the loop's PenaltyCounts"
@@ -157,8 +160,7 @@ class Request:
             repetition_penalty=p.repetition_penalty,
             logprobs=p.logprobs,
         )
-        if not banning:
-            self._row = row
+        self._rows[banning] = row
         return row
 
     def launched_sample(self, placeholder: int) -> None:

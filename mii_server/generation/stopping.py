@@ -10,6 +10,7 @@ from __future__ import annotations
 class StopStringMatcher:
     def __init__(self, stops: list[str]) -> None:
         self.stops = stops
+        self._longest = max((len(s) for s in stops), default=0)
         self.text = ""  # all text generated so far (cut at a stop string once one matches)
         self.released = 0  # characters of `text` already handed out
         self.matched = False
@@ -18,14 +19,15 @@ class StopStringMatcher:
         """Add generated text; return what can be released now. Sets ``matched`` on a stop string."""
         if self.matched:
             return ""
-        search_from = max(0, len(self.text) - max((len(s) for s in self.stops), default=0) + 1)
+        if not self.stops:  # why: the common case, once per token of every request, keeps no text
+            return new_text
+        search_from = max(0, len(self.text) - self._longest + 1)
         self.text += new_text
-        if self.stops:
-            hits = [i for i in (self.text.find(s, search_from) for s in self.stops) if i >= 0]
-            if hits:
-                self.text = self.text[: min(hits)]
-                self.matched = True
-                return self._release(len(self.text))
+        hits = [i for i in (self.text.find(s, search_from) for s in self.stops) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.matched = True
+            return self._release(len(self.text))
         return self._release(len(self.text) - self._held_back())
 
     def flush(self) -> str:
