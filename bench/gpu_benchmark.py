@@ -187,6 +187,7 @@ def ratio(ours: float, theirs: float | None) -> float | None:
 def start_ours(path: Path, args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """(config, runtime, loop) of our engine on ``path`` in bf16, with the benchmark's settings
     (``args``: no_graphs, batch_tokens, reserve_gb)."""
+    from mii_server import gc_heap
     from mii_server.config import ModelConfig
     from mii_server.runtime import build_loop, build_runtime
 
@@ -196,7 +197,9 @@ def start_ours(path: Path, args: argparse.Namespace) -> tuple[Any, Any, Any]:
         kv_cache={"reserve_bytes": int(args.reserve_gb * 1e9)},
     )  # fmt: skip
     runtime = build_runtime(config)
-    return config, runtime, build_loop(config, runtime)
+    loop = build_loop(config, runtime)
+    gc_heap.freeze_startup_heap("benchmark")  # as pipeline() and the replica run the engine
+    return config, runtime, loop
 
 
 def run_ours(path: Path, args: argparse.Namespace, hf: dict[str, float]) -> None:

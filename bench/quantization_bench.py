@@ -24,7 +24,6 @@ skipped there), to check the script.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import os
@@ -84,6 +83,7 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> dict[str, f
 
 def run_config(name: str, path: Path, args: argparse.Namespace, base: dict[str, Any]) -> dict[str, Any]:
     """Load one configuration, measure it, free it; ``base`` holds bf16's figures once measured."""
+    from mii_server import gc_heap
     from mii_server.config import ModelConfig
     from mii_server.runtime import build_loop, build_runtime
 
@@ -98,6 +98,7 @@ def run_config(name: str, path: Path, args: argparse.Namespace, base: dict[str, 
     )  # fmt: skip
     runtime = build_runtime(config)
     loop = build_loop(config, runtime)
+    gc_heap.freeze_startup_heap(name)  # as pipeline() and the replica run the engine
     read_bytes = read_bytes_per_step(runtime.loaded.model)
     floor_ms = read_bytes / HBM_BYTES_PER_S * 1e3
     report(f"{name}_loaded", seconds=time.perf_counter() - start, weight_read_gib=read_bytes / 2**30,
@@ -124,7 +125,7 @@ def run_config(name: str, path: Path, args: argparse.Namespace, base: dict[str, 
     row["frac_floor_batch1"] = floor_ms / row["batch1_ms"]
     report(name, **row)
     del loop, runtime
-    gc.collect()
+    gc_heap.unfreeze_and_collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()
     return row

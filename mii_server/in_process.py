@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import gc
 import os
 from typing import Any
 
 import torch
 
+from . import gc_heap
 from .batching.loop import GenerationLoop
 from .batching.request import RequestUpdate
 from .config import ModelConfig
@@ -87,7 +87,7 @@ class Pipeline:
         self.loop = None
         self.runtime = None
         tp_shutdown()
-        gc.collect()
+        gc_heap.unfreeze_and_collect()  # why: pipeline() froze the heap; what it held must be freed
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -110,6 +110,7 @@ class FollowerPipeline:
         self.subscriber.close()
         self.runtime = None
         tp_shutdown()
+        gc_heap.unfreeze_and_collect()
 
 
 def pipeline(
@@ -120,11 +121,18 @@ def pipeline(
     With ``tensor_parallel=T > 1`` the script must run as T processes (``torchrun --nproc-per-node T
     script.py``): every rank calls the pipeline alike; rank 0 returns the responses, the others []
     (or the same responses, with ``all_rank_output=True``, as in MII).
+
+    Once loaded, the process's heap is frozen out of garbage collection (``gc.freeze``, as vLLM's
+    engine does in process), so full collections no longer stall generation for the model's
+    hundreds of thousands of objects. ``destroy()`` unfreezes it, so the pipeline's memory can be
+    collected; call ``gc.unfreeze()`` yourself to undo it earlier.
     """
     config = ModelConfig.from_kwargs(model_name_or_path, **model_kwargs)
     if config.tensor_parallel == 1:
         runtime = build_runtime(config)
-        return Pipeline(config, runtime, build_loop(config, runtime))
+        pipe = Pipeline(config, runtime, build_loop(config, runtime))
+        gc_heap.freeze_startup_heap("pipeline", report_pauses=False)
+        return pipe
     ranks = torchrun_rank()
     if ranks is None or ranks[2] != config.tensor_parallel:
         raise InvalidRequest(
@@ -142,6 +150,7 @@ def pipeline(
         init_method="env://",
     )
     started = start_rank(config, placement)
+    gc_heap.freeze_startup_heap(f"pipeline rank {rank}", report_pauses=False)
     if started.subscriber is not None:
         return FollowerPipeline(started.runtime, started.subscriber)
     loop = build_loop(config, started.runtime, started.executor)

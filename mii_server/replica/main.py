@@ -19,6 +19,7 @@ import logging
 
 from grpc_health.v1 import health as grpc_health
 
+from .. import gc_heap
 from ..serving import grpc_common
 from ..serving.control.roles import ReplicaRole
 from ..serving.stopping import StopRequest, drain_server
@@ -52,6 +53,7 @@ async def _serve(role: ReplicaRole) -> int:
     relay = UpdateRelay(loop)
     # why not cancellable: a load cannot be interrupted; a stop during it waits, then shuts the engine down
     engine = await loop.run_in_executor(None, ReplicaEngine, role, relay.flush)
+    gc_heap.freeze_startup_heap(f"replica {index}")
     code = 0
     try:
         if not stop.requested.is_set():

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from .. import gc_heap
 from ..errors import EngineDead
 from ..launch import process
 from ..launch.spec import RankLink, RankSpec
@@ -94,6 +95,7 @@ def run_follower(spec: RankSpec) -> int:
     )
     started = start_rank(model, placement)
     assert started.subscriber is not None
+    gc_heap.freeze_startup_heap(f"rank {link.rank}")
     try:
         follow(started.runtime.engine, started.subscriber)
     except EngineDead as err:

@@ -14,6 +14,7 @@ import signal
 import threading
 from typing import Protocol
 
+from ... import gc_heap
 from ..control.roles import GatewayRole
 from ..stopping import STOP_SIGNALS
 
@@ -54,6 +55,7 @@ def run_gateway(role: GatewayRole) -> int:
         fronts.append(OpenAIServerThread(role))
     for front in fronts:
         front.start()
+    gc_heap.freeze_startup_heap(", ".join(f.name for f in fronts))
     code = 0
     while not requested.wait(CHECK_S):
         dead = [f.name for f in fronts if not f.is_alive()]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from ... import gc_heap
 from .. import grpc_common
 from ..control.roles import LoadBalancerRole
 from ..stopping import StopRequest, drain_server
@@ -37,6 +38,7 @@ async def _serve(role: LoadBalancerRole) -> int:
     stop.install()
     server, health = await grpc_common.start_server(balancer, role.host, role.port, security)
     await grpc_common.set_service_serving(health, "", True)
+    gc_heap.freeze_startup_heap("load balancer")
 
     async def on_change(any_up: bool, all_up: bool) -> None:
         if not stop.requested.is_set():
