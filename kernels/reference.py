@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from .metadata import AttentionMetadata
-from .reference_quant import fp6_linear, fp8_linear, int8_linear, quantize_fp8_per_token
+from .reference_quant import Fp8Rows, fp6_linear, fp8_linear, int8_linear, quantize_fp8_per_token
 
 __all__ = [
     "fp6_linear", "fp8_linear", "int8_linear", "kv_append", "paged_attention", "quantize_fp8_per_token",
-    "rms_norm", "rotary_embedding", "rotary_kv_append", "silu_and_mul",
+    "rms_norm", "rms_norm_fp8", "rotary_embedding", "rotary_kv_append", "silu_and_mul",
 ]  # fmt: skip
 
 
@@ -35,6 +35,16 @@ def rms_norm(
     h = stream.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return (h.to(x.dtype) * weight).to(x.dtype), stream
+
+
+def rms_norm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[Fp8Rows, torch.Tensor]:
+    """``rms_norm`` whose normed rows come quantized for the fp8 linear that reads them:
+    (``Fp8Rows`` of the normed [T, H] rows, the new residual stream)."""
+    normed, stream = rms_norm(x, weight, eps, residual)
+    q, scale = quantize_fp8_per_token(normed.reshape(-1, normed.shape[-1]))
+    return Fp8Rows(q, scale, x.dtype), stream
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -8,11 +8,14 @@ y: [T, N] in x's dtype. Products accumulate in float32 and the result is rounded
 - ``int8_linear``: weight int8 [N, K] (weight-only; x stays in its dtype).
 - ``fp6_linear``: weight FP6 e3m2 packed uint8 [N, 3 K / 4] (see ``fp6_format``; weight-only).
 - ``fp8_linear``: weight float8_e4m3fn [N, K]; x is quantized to fp8 per token on the fly
-  (``quantize_fp8_per_token``), so the product is what fp8 tensor cores compute. ``gemm`` names the
-  GPU implementation (``auto``, ``triton``, ``scaled_mm``); the reference is the oracle of both.
+  (``quantize_fp8_per_token``), so the product is what fp8 tensor cores compute, or arrives quantized
+  already as ``Fp8Rows`` (from ``rms_norm_fp8``, the norm before it). ``gemm`` names the GPU
+  implementation (``auto``, ``triton``, ``scaled_mm``); the reference is the oracle of both.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -22,6 +25,19 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # why a floor: an all-zero token (padding rows of a CUDA-graph batch) must not divide by zero
 FP8_SCALE_FLOOR = 1e-12
+
+
+class Fp8Rows(NamedTuple):
+    """Activations quantized per token, as ``quantize_fp8_per_token`` makes them, handed to an fp8
+    linear instead of the model-dtype rows they came from."""
+
+    values: torch.Tensor  # float8_e4m3fn [T, K]
+    scale: torch.Tensor  # float32 [T]
+    dtype: torch.dtype  # the model dtype the rows had: the linear's output dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
 
 
 def expand_scale(scale: torch.Tensor, k: int) -> torch.Tensor:
@@ -66,18 +82,19 @@ def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def fp8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Rows,
     weight: torch.Tensor,
     scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     gemm: str = "auto",
 ) -> torch.Tensor:
-    """x [T, K] quantized per token, @ (fp8 weight [N, K] * scale [N, G])^T + bias -> [T, N]."""
+    """x [T, K] quantized per token (or given quantized), @ (fp8 weight [N, K] * scale [N, G])^T + bias
+    -> [T, N] in x's dtype."""
     del gemm  # one reference for every GPU implementation
-    q, x_scale = quantize_fp8_per_token(x)
+    q, x_scale, dtype = x if isinstance(x, Fp8Rows) else (*quantize_fp8_per_token(x), x.dtype)
     w = weight.float() * expand_scale(scale, weight.shape[1])
     y = (q.float() @ w.t()) * x_scale[:, None]
-    return (y if bias is None else y + bias.float()).to(x.dtype)
+    return (y if bias is None else y + bias.float()).to(dtype)
 
 
 def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

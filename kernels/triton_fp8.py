@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference_quant import FP8_MAX, FP8_SCALE_FLOOR
+from .reference_quant import FP8_MAX, FP8_SCALE_FLOOR, Fp8Rows
 from .triton_quant import gemm_tile, store_gemm_tile
 
 FP8_GEMMS = ("auto", "triton", "scaled_mm")
@@ -146,7 +146,7 @@ def fp8_gemm_scaled_mm(
 
 
 def fp8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Rows,
     weight: torch.Tensor,
     scale: torch.Tensor,
     bias: torch.Tensor | None = None,
@@ -160,9 +160,9 @@ def fp8_linear(
     docs/BENCHMARKS.md 2026-12-02): batch-1 decode 4.02 ms/token with Triton against 5.11 with
     scaled_mm; 256 x 512 / 256 throughput 13,126 tok/s with scaled_mm against 8,622 with Triton. The
     crossover between 1 and 256 rows was not measured: 16 is where ``_tiles`` leaves its weight-bound
-    configuration."""
-    q, x_scale = quantize_fp8_per_token(x)
-    use_triton = gemm == "triton" or (gemm == "auto" and x.shape[0] <= TRITON_MAX_ROWS)
+    configuration. ``x`` given as ``Fp8Rows`` (from ``rms_norm_fp8``) skips the quantizer's launch."""
+    q, x_scale, dtype = x if isinstance(x, Fp8Rows) else (*quantize_fp8_per_token(x), x.dtype)
+    use_triton = gemm == "triton" or (gemm == "auto" and q.shape[0] <= TRITON_MAX_ROWS)
     if not use_triton and scale.shape[1] == 1:
-        return fp8_gemm_scaled_mm(q, x_scale, weight, scale, bias, x.dtype)
-    return fp8_gemm_triton(q, x_scale, weight, scale, bias, x.dtype)
+        return fp8_gemm_scaled_mm(q, x_scale, weight, scale, bias, dtype)
+    return fp8_gemm_triton(q, x_scale, weight, scale, bias, dtype)

@@ -14,7 +14,14 @@ from __future__ import annotations
 from .triton_attention import paged_attention
 from .triton_fp8 import fp8_linear, quantize_fp8_per_token
 from .triton_moe import fused_moe, moe_route
-from .triton_pointwise import gelu_tanh_and_mul, kv_append, rms_norm, rotary_kv_append, silu_and_mul
+from .triton_pointwise import (
+    gelu_tanh_and_mul,
+    kv_append,
+    rms_norm,
+    rms_norm_fp8,
+    rotary_kv_append,
+    silu_and_mul,
+)
 from .triton_quant import fp6_linear, int8_linear
 
 __all__ = [
@@ -28,6 +35,7 @@ __all__ = [
     "paged_attention",
     "quantize_fp8_per_token",
     "rms_norm",
+    "rms_norm_fp8",
     "rotary_kv_append",
     "silu_and_mul",
 ]

@@ -1,5 +1,6 @@
-"""Triton twins of the row-wise reference ops: RMSNorm, SiLU- and GELU-and-mul, rotary embedding
-fused with the KV append, and the plain KV append.
+"""Triton twins of the row-wise reference ops: RMSNorm (and RMSNorm with its output quantized for
+an fp8 linear), SiLU- and GELU-and-mul, rotary embedding fused with the KV append, and the plain KV
+append.
 
 Each op matches ``reference`` in signature and rounding: intermediate values are rounded to the input
 dtype exactly where the reference rounds them, so results agree to the last bit up to fp32
@@ -12,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference_quant import FP8_DTYPE, FP8_MAX, FP8_SCALE_FLOOR, Fp8Rows
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -20,6 +23,7 @@ def _rms_norm_kernel(
     weight_ptr,
     out_ptr,
     stream_ptr,
+    scale_ptr,
     stride_x,
     stride_res,
     stride_out,
@@ -27,6 +31,9 @@ def _rms_norm_kernel(
     hidden,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    QUANTIZE: tl.constexpr,
+    FP8_FLOOR: tl.constexpr,
+    FP8_LIMIT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -43,33 +50,58 @@ def _rms_norm_kernel(
     inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / hidden + eps)
     w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     normed = (h * inv).to(dtype).to(tl.float32) * w
-    tl.store(out_ptr + row * stride_out + cols, normed.to(dtype), mask=ok)
+    if QUANTIZE:  # the row quantized per token, as quantize_fp8_per_token does to the rounded output
+        y = normed.to(dtype).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(y), axis=0), FP8_FLOOR) / FP8_LIMIT
+        tl.store(scale_ptr + row, scale)
+        # why div_rn: as in triton_fp8's quantizer, the reference divides in IEEE fp32
+        q = tl.clamp(tl.math.div_rn(y, scale), -FP8_LIMIT, FP8_LIMIT)
+        tl.store(out_ptr + row * stride_out + cols, q.to(tl.float8e4nv), mask=ok)
+    else:
+        tl.store(out_ptr + row * stride_out + cols, normed.to(dtype), mask=ok)
 
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm with an optional fused residual add; see ``reference.rms_norm``."""
+    out, _, stream = _rms_norm(x, weight, eps, residual, quantize=False)
+    return out.view(x.shape), stream
+
+
+def rms_norm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[Fp8Rows, torch.Tensor]:
+    """RMSNorm quantized for an fp8 linear in the same launch; see ``reference.rms_norm_fp8``."""
+    out, scale, stream = _rms_norm(x, weight, eps, residual, quantize=True)
+    return Fp8Rows(out, scale, x.dtype), stream
+
+
+def _rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, quantize: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(normed [T, H] in x's dtype or fp8, float32 scales [T] (empty unless quantized), stream)."""
     hidden = x.shape[-1]
     x2 = x.reshape(-1, hidden)  # [T, H]
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x2.shape, dtype=FP8_DTYPE if quantize else x.dtype, device=x.device)
+    scale = torch.empty(x2.shape[0] if quantize else 0, dtype=torch.float32, device=x.device)
     if residual is None:
         res2, stream2, stream = x2, x2, x
     else:
         res2 = residual.reshape(-1, hidden)
-        stream2 = torch.empty_like(out)
+        stream2 = torch.empty_like(x2)
         stream = stream2.view(x.shape)
     if x2.shape[0] > 0:
         block = triton.next_power_of_2(hidden)
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, res2, weight, out, stream2,
+            x2, res2, weight, out, stream2, scale,
             x2.stride(0), res2.stride(0), out.stride(0), stream2.stride(0),
             hidden, eps,
-            HAS_RESIDUAL=residual is not None,
+            HAS_RESIDUAL=residual is not None, QUANTIZE=quantize, FP8_FLOOR=FP8_SCALE_FLOOR, FP8_LIMIT=FP8_MAX,
             BLOCK=block,
             num_warps=min(16, max(1, block // 512)),
         )  # fmt: skip
-    return out.view(x.shape), stream
+    return out, scale, stream
 
 
 @triton.jit

@@ -148,18 +148,23 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm whose forward takes and returns the residual stream (fused add where the kernel can)."""
+    """RMSNorm whose forward takes and returns the residual stream (fused add where the kernel can).
+
+    ``fp8_output`` (set by ``quantization.quantize_linears`` when the one linear reading this norm is
+    fp8): the normed rows come out quantized per token (``Fp8Rows``, from ``ops.rms_norm_fp8``), which
+    saves that linear its own quantizing launch and a pass over the rows."""
 
     def __init__(self, hidden: int, eps: float, dtype: torch.dtype, ops: Any) -> None:
         super().__init__()
         self.eps = eps
         self.ops = ops
+        self.fp8_output = False
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = lambda p, s, shard_id=0: _copy(p, s[:])  # type: ignore[attr-defined]
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[Any, torch.Tensor]:
+        if self.fp8_output:
+            return self.ops.rms_norm_fp8(x, self.weight, self.eps, residual)
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 

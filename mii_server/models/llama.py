@@ -151,6 +151,19 @@ class LlamaDecoderLayer(nn.Module):
     ) -> nn.Module:
         return LlamaMLP(spec, tp, dtype, ops)
 
+    def norm_consumers(self) -> list[tuple[nn.Module, nn.Module]]:
+        """(norm, the one linear that reads its output) pairs of this block, where the norm may hand
+        that linear its rows already quantized: only where this class's own forward, attention and
+        MLP run (a family that overrides one of them is left out; its norms stay plain)."""
+        if type(self).forward is not LlamaDecoderLayer.forward:
+            return []
+        pairs: list[tuple[nn.Module, nn.Module]] = []
+        if type(self.self_attn).forward is LlamaAttention.forward:
+            pairs.append((self.input_layernorm, self.self_attn.qkv_proj))
+        if type(self.mlp).forward is LlamaMLP.forward:
+            pairs.append((self.post_attention_layernorm, self.mlp.gate_up_proj))
+        return pairs
+
     def forward(
         self,
         x: torch.Tensor,

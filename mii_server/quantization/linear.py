@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModel
-from ..models.layers import ColumnParallelLinear, RowParallelLinear, narrow
+from ..models.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, narrow
 from .quantize import QUANTIZERS
 from .scheme import QuantScheme
 
@@ -169,7 +169,10 @@ class QuantizedRowParallelLinear(_QuantizedLinear):
 
 def quantize_linears(model: nn.Module, scheme: QuantScheme, ops: Any) -> int:
     """Replace every column- and row-parallel linear of ``model`` (weights not loaded yet) by its
-    quantized twin; returns how many were replaced. The full-precision placeholders are freed."""
+    quantized twin; returns how many were replaced. The full-precision placeholders are freed.
+
+    fp8 on fp8 tensor cores: each RMSNorm whose output only an fp8 linear reads (a block's
+    ``norm_consumers``) then quantizes that output itself (``RMSNorm.fp8_output``)."""
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -184,4 +187,9 @@ def quantize_linears(model: nn.Module, scheme: QuantScheme, ops: Any) -> int:
             child.weight = None
             setattr(parent, name, twin)
             replaced += 1
+    if scheme.weight_format == "fp8" and not scheme.emulated:
+        for block in model.modules():
+            for norm, linear in getattr(block, "norm_consumers", list)():
+                if isinstance(norm, RMSNorm) and isinstance(linear, _QuantizedLinear):
+                    norm.fp8_output = True
     return replaced

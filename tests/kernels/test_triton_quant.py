@@ -177,3 +177,25 @@ def test_fp8_linear_on_gpu(gemm: str, dtype: torch.dtype) -> None:
     # scaled_mm writes bf16 (see fp8_gemm_scaled_mm): an fp16 caller gets bf16's rounding
     tol = TOL[torch.bfloat16 if gemm == "scaled_mm" else dtype]
     torch.testing.assert_close(got, reference_quant.fp8_linear(x, weight, scale), **tol)
+
+
+@needs_triton
+@pytest.mark.skipif(ON_GPU and not FP8_DEVICE, reason="no fp8 tensor cores")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_rms_norm_fp8_is_the_norm_then_the_per_token_quantizer(dtype: torch.dtype, with_residual: bool) -> None:
+    """One launch: the RMSNorm kernel's rows, quantized as ``quantize_fp8_per_token`` quantizes them."""
+    from mii_server.kernels import triton_pointwise
+
+    hidden = 4096 if ON_GPU else 96
+    x = (torch.randn(9, hidden, device=DEVICE) * 3).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).to(dtype)
+    residual = torch.randn(9, hidden, device=DEVICE).to(dtype) if with_residual else None
+    rows, stream = triton_pointwise.rms_norm_fp8(x, weight, 1e-6, residual)
+    normed, want_stream = triton_pointwise.rms_norm(x, weight, 1e-6, residual)
+    want_q, want_scale = reference_quant.quantize_fp8_per_token(normed)
+    assert rows.dtype == dtype and rows.values.dtype == torch.float8_e4m3fn
+    torch.testing.assert_close(stream, want_stream, atol=0, rtol=0)
+    torch.testing.assert_close(rows.scale, want_scale, atol=0, rtol=0)
+    if FP8_DEVICE:  # the interpreter rounds fp32 -> fp8 wrongly where rounding carries (see below)
+        assert torch.equal(rows.values.view(torch.uint8), want_q.view(torch.uint8))
