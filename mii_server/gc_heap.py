@@ -2,9 +2,10 @@
 
 A full (generation-2) collection is stop-the-world and walks every tracked object. A replica holds
 hundreds of thousands of them from start-up (the model's modules, the tokenizer, the scheduler's
-tables) that live as long as the process, so each full pass stalled every thread for 100+ ms (300 ms
-on the 2-core CI machine with the demo model): a stall of the batching thread shows as an inter-token
-gap for every running request. ``freeze_startup_heap`` collects once and moves everything alive into
+tables) that live as long as the process, so each full pass stalled every thread: ~300 ms for the
+8B model's replica on the H200 machine, and as long for a collection with the demo model loaded on
+the 2-core CI machine. A stall of the batching thread shows as an inter-token gap for every running
+request. ``freeze_startup_heap`` collects once and moves everything alive into
 the permanent generation, which collections skip; what the serving loop allocates later is still
 collected as before (vLLM, SGLang and TensorRT-LLM freeze their engine and server processes the same
 way). The server processes freeze once set up, ``pipeline()`` once loaded (``Pipeline.destroy``
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 # 1,024 streams open still pauses 60-80 ms every ~1.5 s (what serving allocates); that is not news
 # for an operator, a 300 ms start-up-heap walk is
 LONG_PAUSE_S = 0.1
+_muted = False  # unfreeze_and_collect is running: its pause is the caller's own
 
 
 def freeze_startup_heap(process: str, report_pauses: bool = True) -> None:
@@ -53,9 +55,6 @@ def unfreeze_and_collect() -> None:
         gc.collect()
     finally:
         _muted = False
-
-
-_muted = False  # unfreeze_and_collect is running
 
 
 class _PauseWatch:
