@@ -84,6 +84,11 @@ class RunPlan:
         return f"{self.frontend} {load}" + (f" round {self.round}" if self.round else "")
 
 
+def lower_median(values: list[Any], key: Any = None) -> Any:
+    """The middle value (the lower of the two middle ones for an even count): always a measured round."""
+    return sorted(values, key=key)[(len(values) - 1) // 2]
+
+
 def with_rounds(plans: list[RunPlan], rounds: int) -> list[RunPlan]:
     """The closed-loop plans ``rounds`` times over, interleaved (round 1 of every plan, then round 2, ...),
     each round its own plan; open-loop plans run once, after them."""
@@ -306,7 +311,7 @@ def measure_baselines(
         figures["workloads"] = {}
         for w in workloads:
             each = [measured[f"{baseline_key(w)} round {r + 1}"] for r in range(rounds)]
-            median = sorted(each, key=lambda fig: fig["output_tok_s"])[(rounds - 1) // 2]
+            median = lower_median(each, key=lambda fig: fig["output_tok_s"])
             figures["workloads"][baseline_key(w)] = {
                 **median,
                 "rounds_output_tok_s": [f["output_tok_s"] for f in each],
@@ -427,7 +432,7 @@ def report(args: argparse.Namespace, baseline: dict[str, Any], runs: list[dict[s
     print(format_table([table_row(r) for r in runs]))
     for name, ratios in rounds_by_plan(runs).items():
         print(f"{name}: ratio to pipeline() by round {', '.join(f'{x:.2f}' for x in ratios)}; "
-              f"median {sorted(ratios)[(len(ratios) - 1) // 2]:.2f}, worst {min(ratios):.2f}")  # fmt: skip
+              f"median {lower_median(ratios):.2f}, worst {min(ratios):.2f}")  # fmt: skip
     print(
         "(latencies in ms; open: most streams in flight at once; CPU in cores: the busiest client process, "
         "and the busiest role of the deployment; SAT: a client process near one full core)"

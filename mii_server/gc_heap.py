@@ -2,10 +2,9 @@
 
 A full (generation-2) collection is stop-the-world and walks every tracked object. A replica holds
 hundreds of thousands of them from start-up (the model's modules, the tokenizer, the scheduler's
-tables) that live as long as the process, so each full pass stalled every thread: ~300 ms for the
-8B model's replica on the H200 machine, and as long for a collection with the demo model loaded on
-the 2-core CI machine. A stall of the batching thread shows as an inter-token gap for every running
-request. ``freeze_startup_heap`` collects once and moves everything alive into
+tables) that live as long as the process, so each full pass stalled every thread: 277-331 ms for
+the 8B model's replica on the H200 machine (docs/BENCHMARKS.md, "garbage-collection pauses were the
+gap"). A stall of the batching thread shows as an inter-token gap for every running request. ``freeze_startup_heap`` collects once and moves everything alive into
 the permanent generation, which collections skip; what the serving loop allocates later is still
 collected as before (vLLM, SGLang and TensorRT-LLM freeze their engine and server processes the same
 way). The server processes freeze once set up, ``pipeline()`` once loaded (``Pipeline.destroy``

@@ -189,7 +189,9 @@ def quantize_linears(model: nn.Module, scheme: QuantScheme, ops: Any) -> int:
             replaced += 1
     if scheme.weight_format == "fp8" and not scheme.emulated:
         for block in model.modules():
-            for norm, linear in getattr(block, "norm_consumers", list)():
+            if not hasattr(block, "norm_consumers"):  # only decoder blocks say which norm feeds what
+                continue
+            for norm, linear in block.norm_consumers():
                 if isinstance(norm, RMSNorm) and isinstance(linear, _QuantizedLinear):
                     norm.fp8_output = True
     return replaced
