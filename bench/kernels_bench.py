@@ -129,26 +129,32 @@ def bench_prefill(sweep: bool, block_size: int) -> list[dict]:
         reference_ms=ref_ms, speedup_vs_reference=ref_ms / ms,
     ))  # fmt: skip
     rows += bench_prefill_library(q, k_cache, v_cache, meta, scale, flops)
+    expected = reference.paged_attention(q, k_cache, v_cache, meta, scale)
     if sweep:
-        for block_m, block_n, warps, stages in (
-            (128, 32, 4, 4), (128, 32, 4, 3), (128, 64, 4, 4), (128, 32, 8, 4),
-            (64, 32, 4, 4), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3),
-        ):  # fmt: skip
+        configs = [  # (block_m, block_n, warps, stages, K/V tiles by bulk copy)
+            (128, 32, 4, 3, False), (128, 128, 8, 3, False), (128, 64, 4, 3, False),
+            (128, 32, 4, 3, True), (128, 64, 4, 3, True), (128, 64, 4, 4, True), (128, 64, 4, 2, True),
+            (128, 64, 8, 3, True), (256, 64, 8, 3, True), (256, 64, 8, 2, True), (256, 32, 8, 3, True),
+            (64, 64, 4, 3, True), (128, 128, 8, 3, True), (256, 128, 8, 2, True),
+        ]  # fmt: skip
+        for block_m, block_n, warps, stages, tma in configs:
+            if tma and not triton_attention.tma_supported(k_cache, v_cache, block_n):
+                continue
 
-            def run(block_m=block_m, block_n=block_n, warps=warps, stages=stages):
+            def run(block_m=block_m, block_n=block_n, warps=warps, stages=stages, tma=tma):
                 return triton_attention.paged_prefill_attention(
                     q, k_cache, v_cache, meta, scale, block_m=block_m, block_n=block_n,
-                    num_warps=warps, num_stages=stages,
+                    num_warps=warps, num_stages=stages, tma=tma,
                 )  # fmt: skip
 
             try:
-                run()
+                torch.testing.assert_close(run(), expected, atol=2e-2, rtol=2e-2)
                 ms = do_bench(run, rep=100)
             except Exception as exc:  # noqa: BLE001 - a config may not fit; report and go on
                 print(json.dumps({"bench": "prefill_sweep", "error": str(exc)[:120]}))
                 continue
             rows.append(_report(
-                "prefill_sweep", ms, block_m=block_m, block_n=block_n, warps=warps, stages=stages,
+                "prefill_sweep", ms, block_m=block_m, block_n=block_n, warps=warps, stages=stages, tma=tma,
                 frac_bf16=flops / ms / 1e-3 / BF16_FLOPS,
             ))  # fmt: skip
     return rows

@@ -5,7 +5,8 @@ Two kernels share one tile step (online softmax in fp32, exp2 domain):
 - ``_prefill_kernel`` serves any ragged batch (prefill chunks and decode tokens together) in one
   launch. A program owns BLOCK_Q tokens of one sequence times all GROUP query heads of one KV head,
   so each KV tile is read once per group. Programs find their sequence by a binary search over
-  ``cu_q_lens`` (no host sync), in the q-block numbering ``cu_q_lens[s] // BLOCK_Q + s``.
+  ``cu_q_lens`` (no host sync), in the q-block numbering ``cu_q_lens[s] // BLOCK_Q + s``. On Hopper
+  (TMA) a K/V tile lies in one cache block and arrives by one bulk copy from a tensor descriptor.
 - ``_decode_kernel`` (batches with ``max_q_len == 1``) is split-K flash decoding: a program owns one
   (sequence, KV head, context split), its GROUP query heads padded to 16 rows for ``tl.dot``;
   ``_decode_reduce_kernel`` merges the splits' partial softmax states.
@@ -27,6 +28,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .metadata import AttentionMetadata
 from .triton_pointwise import _tanh
@@ -52,31 +54,40 @@ def _attend_tile(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2, window, cap_in, cap_out,
     MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_PREC: tl.constexpr,
-    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, TMA: tl.constexpr = False,
 ):  # fmt: skip
     """One online-softmax step of q [M, D] against BLOCK_N cached keys from ``tile_start``. Keys and
     values are read in q's dtype (an fp8 cache is widened; a cache in q's dtype is unchanged).
 
     SLIDING: keys at or before ``q_pos - window`` are masked too (MASKED tiles only). SOFTCAP: the
     scaled logits s become cap * tanh(s / cap), with ``cap_in`` = scale / cap, ``cap_out`` = cap / scale.
+    TMA: ``k_cache_ptr`` / ``v_cache_ptr`` are tensor descriptors of the caches viewed as
+    [blocks * BLOCK_SIZE, Hk * D], and the tile lies in one cache block (BLOCK_N divides BLOCK_SIZE):
+    one block-table read and one bulk copy per tile instead of a gather per key.
     """
     pos = tile_start + tl.arange(0, BLOCK_N)  # [N] key positions
     d = tl.arange(0, D_PAD)
     if MASKED:
         pos_ok = pos < ctx
-        blk = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
     else:
         pos_ok = pos >= 0
-        blk = tl.load(bt_row_ptr + pos // BLOCK_SIZE).to(tl.int64)
-    slot = (pos % BLOCK_SIZE)[:, None]
-    k = _load_kv(
-        k_cache_ptr + blk[:, None] * stride_kb + slot * stride_ks + kv_head * stride_kh + d[None, :],
-        pos_ok,
-        d,
-        MASKED,
-        HEAD_DIM,
-        D_PAD,
-    ).to(q.dtype)  # [N, D]
+    if TMA:
+        row = tl.load(bt_row_ptr + tile_start // BLOCK_SIZE) * BLOCK_SIZE + tile_start % BLOCK_SIZE
+        k = k_cache_ptr.load([row, kv_head * HEAD_DIM]).to(q.dtype)  # [N, D]
+    else:
+        if MASKED:
+            blk = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        else:
+            blk = tl.load(bt_row_ptr + pos // BLOCK_SIZE).to(tl.int64)
+        slot = (pos % BLOCK_SIZE)[:, None]
+        k = _load_kv(
+            k_cache_ptr + blk[:, None] * stride_kb + slot * stride_ks + kv_head * stride_kh + d[None, :],
+            pos_ok,
+            d,
+            MASKED,
+            HEAD_DIM,
+            D_PAD,
+        ).to(q.dtype)  # [N, D]
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [M, N], unscaled
     if SOFTCAP:  # kept in unscaled units, so the lines below are shared
         qk = cap_out * _tanh(qk * cap_in)
@@ -95,15 +106,21 @@ def _attend_tile(
     p = tl.math.exp2(qk * scale_log2 - m_sub[:, None])  # why: the scale folds into one FMA
     alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_kv(
-        v_cache_ptr + blk[:, None] * stride_vb + slot * stride_vs + kv_head * stride_vh + d[None, :],
-        pos_ok,
-        d,
-        MASKED,
-        HEAD_DIM,
-        D_PAD,
-    ).to(q.dtype)  # [N, D]
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PREC)
+    if TMA:
+        v = v_cache_ptr.load([row, kv_head * HEAD_DIM]).to(q.dtype)  # [N, D]
+        if MASKED:
+            # why: slots past the context were never written and may hold NaN; p = 0 there, but 0 * NaN is NaN
+            v = tl.where(pos_ok[:, None], v, 0.0)
+    else:
+        v = _load_kv(
+            v_cache_ptr + blk[:, None] * stride_vb + slot * stride_vs + kv_head * stride_vh + d[None, :],
+            pos_ok,
+            d,
+            MASKED,
+            HEAD_DIM,
+            D_PAD,
+        ).to(q.dtype)  # [N, D]
+    acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
     return acc, m_new, l_i
 
 
@@ -117,7 +134,7 @@ def _prefill_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_PREC: tl.constexpr,
-    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     # why reversed: later q-blocks of a sequence see longer contexts; start the heavy ones first
@@ -167,19 +184,19 @@ def _prefill_kernel(
             acc, m_i, l_i = _attend_tile(
                 q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row, kv_head, t * BLOCK_N, q_pos, ctx,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2, window, cap_in,
-                cap_out, True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PREC, SLIDING, SOFTCAP,
+                cap_out, True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PREC, SLIDING, SOFTCAP, TMA,
             )  # fmt: skip
     for t in range(t_full, n_full):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row, kv_head, t * BLOCK_N, q_pos, ctx,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2, window, cap_in,
-            cap_out, False, BLOCK_SIZE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PREC, SLIDING, SOFTCAP,
+            cap_out, False, BLOCK_SIZE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PREC, SLIDING, SOFTCAP, TMA,
         )  # fmt: skip
     for t in range(n_full, n_tiles):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row, kv_head, t * BLOCK_N, q_pos, ctx,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2, window, cap_in,
-            cap_out, True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PREC, SLIDING, SOFTCAP,
+            cap_out, True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PREC, SLIDING, SOFTCAP, TMA,
         )  # fmt: skip
     out = acc / l_i[:, None]
     o_off = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -378,8 +395,12 @@ def paged_prefill_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    tma: bool | None = None,
 ) -> torch.Tensor:
-    """Ragged causal attention for any mix of prefill chunks and decode tokens, in one launch."""
+    """Ragged causal attention for any mix of prefill chunks and decode tokens, in one launch.
+
+    ``tma`` (default: where ``tma_supported``) reads K/V tiles by tensor-memory-accelerator bulk copies.
+    """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -390,31 +411,65 @@ def paged_prefill_attention(
     on_gpu = q.is_cuda
     d_pad = triton.next_power_of_2(head_dim)
     g_pad = triton.next_power_of_2(group)
-    # tiles measured on an H200 (Llama-3-8B heads, D=128, bf16): 128 x 32 with 4 warps led the sweep
+    if tma is None:
+        # measured at D = 128 only; a wider head's [block_n, D] copy is left to the pointer path
+        tma = on_gpu and _has_tma(q.device) and d_pad <= 128 and block_size >= 32
+        tma = tma and tma_supported(k_cache, v_cache, block_n or min(block_size, 64))
+    # tiles measured on an H200 (Llama-3-8B heads, D=128, bf16, 8 x 2048 causal): by bulk copy,
+    # 128 x 64 with 4 warps and 2 stages led (0.67 ms, 52% of peak); by pointers, 128 x 32 with 4 warps
     if block_m is None:
         block_m = (128 if d_pad <= 128 else 64) if on_gpu else 16
     if block_n is None:
-        block_n = 32 if on_gpu else 16
+        block_n = (min(block_size, 64) if tma else 32) if on_gpu else 16
     if num_warps is None:
         num_warps = 4
     if num_stages is None:
-        num_stages = 3 if d_pad <= 128 else 2
+        num_stages = 2 if tma or d_pad > 128 else 3
+    k_tiles, v_tiles = k_cache, v_cache
+    if tma:
+        k_tiles, v_tiles = _cache_descriptor(k_cache, block_n), _cache_descriptor(v_cache, block_n)
     block_q = max(1, block_m // g_pad)
     # q-blocks are numbered cu_q_lens[s] // block_q + s, so this many cover every sequence
     num_qblocks = num_tokens // block_q + num_seqs
     cap_in, cap_out = _softcap_args(scale, logit_softcap)
     _prefill_kernel[(num_qblocks, num_kv_heads)](
-        q, k_cache, v_cache, out, meta.block_table, meta.cu_q_lens, meta.context_lens,
+        q, k_tiles, v_tiles, out, meta.block_table, meta.cu_q_lens, meta.context_lens,
         scale * _LOG2E, num_seqs, sliding_window, cap_in, cap_out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_table.stride(0),
         GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, D_PAD=d_pad, DOT_PREC=_dot_precision(q.dtype),
-        SLIDING=bool(sliding_window), SOFTCAP=bool(logit_softcap),
+        SLIDING=bool(sliding_window), SOFTCAP=bool(logit_softcap), TMA=tma,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
+
+
+@functools.lru_cache(maxsize=8)
+def _has_tma(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def tma_supported(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> bool:
+    """Whether K/V tiles of ``block_n`` keys can be bulk-copied: contiguous caches whose blocks
+    hold whole tiles, a power-of-two head size, rows aligned to 16 bytes."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    row_bytes = num_kv_heads * head_dim * k_cache.element_size()
+    return (
+        k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and block_size % block_n == 0
+        and head_dim & (head_dim - 1) == 0
+        and row_bytes % 16 == 0
+    )
+
+
+def _cache_descriptor(cache: torch.Tensor, block_n: int) -> TensorDescriptor:
+    """A [blocks * block_size, Hk * D] view of the cache, copied in [block_n, D] tiles."""
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    width = num_kv_heads * head_dim
+    return TensorDescriptor(cache, [num_blocks * block_size, width], [width, 1], [block_n, head_dim])
 
 
 def paged_attention(

@@ -229,6 +229,56 @@ def test_prefill_kernel_serves_decode_batches() -> None:
                      triton_attention.paged_prefill_attention)  # fmt: skip
 
 
+BULK_COPIES = not ON_GPU or torch.cuda.get_device_capability()[0] >= 9  # TMA: Hopper on, or the interpreter
+
+
+@pytest.mark.skipif(not BULK_COPIES, reason="tensor descriptors need compute capability 9.0")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", MIXED_CASES)
+def test_prefill_kernel_with_bulk_copies(dtype, case) -> None:
+    """The ragged kernel reading its K/V tiles through tensor descriptors (one tile per cache block)."""
+    block_size = case[3]
+
+    def attention(q, k_cache, v_cache, meta, scale):
+        return triton_attention.paged_prefill_attention(
+            q, k_cache, v_cache, meta, scale, tma=True, block_n=min(block_size, 64 if ON_GPU else 16)
+        )
+
+    _check_attention(dtype, *case, attention)
+
+
+def _poison_past_context(cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    """NaN in every slot no sequence's context covers, as a never-written cache may hold."""
+    block_size = cache.shape[1]
+    used = torch.zeros(cache.shape[0] * block_size, dtype=torch.bool, device=cache.device)
+    for s, ctx in enumerate(meta.context_lens.tolist()):
+        pos = torch.arange(ctx, device=cache.device)
+        used[meta.block_table[s, pos // block_size].long() * block_size + pos % block_size] = True
+    cache.view(-1, *cache.shape[2:])[~used] = float("nan")
+
+
+@pytest.mark.parametrize("tma", [False, True] if BULK_COPIES else [False])
+def test_attention_ignores_nan_past_the_context(tma: bool) -> None:
+    """Slots past a sequence's context (the tail of its last block, free blocks) never reach the output,
+    through the ragged kernel on a mixed batch and the split-K kernel on a decode batch."""
+    dtype = DTYPES[0]
+    for case in (MIXED_CASES[0], DECODE_CASES[0]):
+        num_q_heads, num_kv_heads, head_dim, block_size, seqs = case
+        k_cache, v_cache, meta = _ragged_batch(seqs, num_kv_heads, head_dim, block_size, dtype)
+        q = _rand(sum(n for n, _ in seqs), num_q_heads, head_dim, dtype=dtype)
+        scale = head_dim**-0.5
+        expected = reference.paged_attention(q, k_cache, v_cache, meta, scale)
+        _poison_past_context(k_cache, meta)
+        _poison_past_context(v_cache, meta)
+        block_n = min(block_size, 64 if ON_GPU else 16)
+        prefill = triton_attention.paged_prefill_attention(
+            q, k_cache, v_cache, meta, scale, tma=tma, block_n=block_n
+        )
+        torch.testing.assert_close(prefill, expected, **ATTN_TOL[dtype])
+        dispatched = triton_ops.paged_attention(q, k_cache, v_cache, meta, scale)  # split-K when decode-only
+        torch.testing.assert_close(dispatched, expected, **ATTN_TOL[dtype])
+
+
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("seqs", [[(1, 300), (1, 17), (1, 1)], [(1, 300), (40, 90), (0, 0)]])
 def test_paged_attention_replays_in_a_cuda_graph(seqs) -> None:
