@@ -8,8 +8,10 @@ Two kernels share one tile step (online softmax in fp32, exp2 domain):
   ``cu_q_lens`` (no host sync), in the q-block numbering ``cu_q_lens[s] // BLOCK_Q + s``. On Hopper
   (TMA) a K/V tile lies in one cache block and arrives by one bulk copy from a tensor descriptor.
 - ``_decode_kernel`` (batches with ``max_q_len == 1``) is split-K flash decoding: a program owns one
-  (sequence, KV head, context split), its GROUP query heads padded to 16 rows for ``tl.dot``;
-  ``_decode_reduce_kernel`` merges the splits' partial softmax states.
+  (sequence, KV head, context split), its GROUP query heads padded to 16 rows for ``tl.dot``. The
+  last split of a (sequence, KV head) to finish merges the splits' partial softmax states (an
+  arrival counter per pair); where a group's partials are too many for one program,
+  ``_decode_reduce_kernel`` merges them in a second launch.
 
 Both take the options of ``reference.paged_attention``: a sliding window (SLIDING: tiles wholly
 before a query block's window are skipped, the rest masked) and a logit soft-cap (SOFTCAP). Either
@@ -205,14 +207,17 @@ def _prefill_kernel(
 
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr, arrivals_ptr,
     block_table_ptr, cu_q_lens_ptr, context_lens_ptr, scale_log2, window, cap_in, cap_out,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, M_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     DOT_PREC: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
+    MERGE_IN_KERNEL: tl.constexpr, G_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):  # fmt: skip
+    """MERGE_IN_KERNEL: the last split of a (sequence, KV head) to finish merges the partial states
+    of all its splits (counted in ``arrivals_ptr``, which it resets to 0), instead of a reduce launch."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -257,6 +262,43 @@ def _decode_kernel(
         tl.store(part_acc_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=row_ok[:, None])
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+        if MERGE_IN_KERNEL:
+            n_active = tl.cdiv(n_tiles - t_lo, per_split)  # splits that hold a tile
+            tl.debug_barrier()  # every thread's partial stores come before this program's arrival
+            arrivals = arrivals_ptr + seq * (NUM_HEADS // GROUP) + kv_head
+            if tl.atomic_add(arrivals, 1, sem="acq_rel") == n_active - 1:
+                tl.store(arrivals, 0)  # why: the next launch (or CUDA graph replay) counts from 0 again
+                _merge_group_splits(
+                    out_ptr, part_acc_ptr, part_ml_ptr, seq, kv_head, q_idx, n_active, stride_ot, stride_oh,
+                    NUM_HEADS, GROUP, G_PAD, NUM_SPLITS, SPLITS_PAD, HEAD_DIM, D_PAD,
+                )  # fmt: skip
+
+
+@triton.jit
+def _merge_group_splits(
+    out_ptr, part_acc_ptr, part_ml_ptr, seq, kv_head, q_idx, n_active, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+):  # fmt: skip
+    """The output of the GROUP query heads of one KV head: their splits' partial softmax states merged.
+    Partials are read past L1 (``.cg``): other SMs wrote them."""
+    g = tl.arange(0, G_PAD)
+    sp = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, D_PAD)
+    head = kv_head * GROUP + g  # [G]
+    part = (seq * NUM_HEADS + head).to(tl.int64)[:, None] * NUM_SPLITS + sp[None, :]  # [G, P]
+    ok = (g < GROUP)[:, None] & (sp < n_active)[None, :]
+    m = tl.load(part_ml_ptr + part * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    lse = tl.load(part_ml_ptr + part * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
+    m_max = tl.where(g < GROUP, tl.max(m, 1), 0.0)  # padding rows: 0, not -inf (their exp2 stays finite)
+    w = tl.where(ok, tl.math.exp2(m - m_max[:, None]), 0.0)  # [G, P]
+    acc = tl.load(
+        part_acc_ptr + part[:, :, None] * D_PAD + d[None, None, :], mask=ok[:, :, None], other=0.0,
+        cache_modifier=".cg",
+    )  # [G, P, D]
+    out = tl.sum(acc * w[:, :, None], 1) / tl.sum(lse * w, 1)[:, None]  # [G, D]
+    o_off = q_idx.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None] & (d[None, :] < HEAD_DIM))
 
 
 @triton.jit
@@ -319,6 +361,28 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, bl
     return int(max(1, min(want, most, 64)))
 
 
+# fp32 elements of one group's partial accumulators [group, splits, D] the finishing program loads at once
+MERGE_IN_KERNEL_MAX_ELEMENTS = 4 * 32 * 128
+_ARRIVAL_COUNTERS = 1 << 16  # (sequence, KV head) pairs one launch can count; beyond, a reduce launch
+_arrivals: dict[torch.device, torch.Tensor] = {}
+
+
+def split_arrivals(device: torch.device, pairs: int) -> torch.Tensor | None:
+    """The device's zeroed split-arrival counters, or None where they cannot serve (too many pairs, or
+    first needed inside a CUDA graph capture, where a new buffer would belong to the graph's pool).
+
+    One buffer per device, allocated once and never freed (captured graphs keep its address). Each
+    launch returns the counters it used to 0; launches on one device must not overlap, as the engine's
+    single compute stream guarantees.
+    """
+    have = _arrivals.get(device)
+    if have is None:
+        if pairs > _ARRIVAL_COUNTERS or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return None
+        have = _arrivals[device] = torch.zeros(_ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
+    return have if pairs <= have.numel() else None
+
+
 def _softcap_args(scale: float, logit_softcap: float) -> tuple[float, float]:
     """(cap_in, cap_out) for ``_attend_tile``; unused (1.0) without a soft-cap."""
     return (scale / logit_softcap, logit_softcap / scale) if logit_softcap else (1.0, 1.0)
@@ -337,8 +401,13 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    merge_in_kernel: bool | None = None,
 ) -> torch.Tensor:
-    """Split-K decode attention for batches of at most one new token per sequence."""
+    """Split-K decode attention for batches of at most one new token per sequence.
+
+    ``merge_in_kernel`` (default: when one group's partial states fit ``MERGE_IN_KERNEL_MAX_ELEMENTS``):
+    the splits are merged by the last of them to finish, not by a second launch.
+    """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -354,13 +423,21 @@ def paged_decode_attention(
         num_splits = decode_num_splits(num_seqs, num_kv_heads, seen, block_n, _num_sms(q.device))
     cap_in, cap_out = _softcap_args(scale, logit_softcap)
     d_pad = triton.next_power_of_2(head_dim)
+    g_pad = triton.next_power_of_2(group)
+    splits_pad = triton.next_power_of_2(num_splits)
+    arrivals = None
     if num_splits > 1:
         part_acc = torch.empty((num_seqs, num_heads, num_splits, d_pad), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((num_seqs, num_heads, num_splits, 2), dtype=torch.float32, device=q.device)
+        if merge_in_kernel is None:
+            merge_in_kernel = g_pad * splits_pad * d_pad <= MERGE_IN_KERNEL_MAX_ELEMENTS
+        if merge_in_kernel:
+            arrivals = split_arrivals(q.device, num_seqs * num_kv_heads)
     else:
         part_acc = part_ml = out  # unused
+    merge_in_kernel = arrivals is not None
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_acc, part_ml,
+        q, k_cache, v_cache, out, part_acc, part_ml, out if arrivals is None else arrivals,
         meta.block_table, meta.cu_q_lens, meta.context_lens, scale * _LOG2E, sliding_window, cap_in, cap_out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -369,13 +446,14 @@ def paged_decode_attention(
         NUM_SPLITS=num_splits, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, D_PAD=d_pad, DOT_PREC=_dot_precision(q.dtype),
         SLIDING=bool(sliding_window), SOFTCAP=bool(logit_softcap),
+        MERGE_IN_KERNEL=merge_in_kernel, G_PAD=g_pad, SPLITS_PAD=splits_pad,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    if num_splits > 1:
+    if num_splits > 1 and not merge_in_kernel:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, part_acc, part_ml, meta.cu_q_lens, meta.context_lens, out.stride(0), out.stride(1),
             sliding_window,
-            NUM_HEADS=num_heads, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            NUM_HEADS=num_heads, NUM_SPLITS=num_splits, SPLITS_PAD=splits_pad,
             BLOCK_N=block_n, HEAD_DIM=head_dim, D_PAD=d_pad, SLIDING=bool(sliding_window),
             num_warps=4 if d_pad >= 128 else 1,
         )  # fmt: skip

@@ -207,18 +207,23 @@ def test_paged_attention_reads_an_fp8_cache(case) -> None:
     _check_attention(DTYPES[0], *case, triton_ops.paged_attention, cache_dtype=torch.float8_e4m3fn)
 
 
+@pytest.mark.parametrize("merge_in_kernel", [True, False])
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
-def test_decode_split_counts_agree(num_splits: int) -> None:
-    """Every split count gives the reference's answer, including splits left without a tile."""
+def test_decode_split_counts_agree(num_splits: int, merge_in_kernel: bool) -> None:
+    """Every split count gives the reference's answer, including splits left without a tile, whether
+    the last split merges them or a reduce launch does; twice, as the arrival counters reset."""
     dtype = DTYPES[0]
     seqs = [(1, c) for c in ((1, 40, 130, 2000) if ON_GPU else (1, 9, 30))]
 
     def attention(q, k_cache, v_cache, meta, scale):
         return triton_attention.paged_decode_attention(
-            q, k_cache, v_cache, meta, scale, num_splits=num_splits
+            q, k_cache, v_cache, meta, scale, num_splits=num_splits, merge_in_kernel=merge_in_kernel
         )
 
-    _check_attention(dtype, 8, 2, 64 if ON_GPU else 16, 16 if ON_GPU else 4, seqs, attention)
+    for _ in range(2):
+        _check_attention(dtype, 8, 2, 64 if ON_GPU else 16, 16 if ON_GPU else 4, seqs, attention)
+    if merge_in_kernel and num_splits > 1:
+        assert not triton_attention.split_arrivals(DEVICE, 1).any()  # every launch left its counters at 0
 
 
 def test_prefill_kernel_serves_decode_batches() -> None:
