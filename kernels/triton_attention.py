@@ -375,12 +375,11 @@ def split_arrivals(device: torch.device, pairs: int) -> torch.Tensor | None:
     launch returns the counters it used to 0; launches on one device must not overlap, as the engine's
     single compute stream guarantees.
     """
-    have = _arrivals.get(device)
-    if have is None:
-        if pairs > _ARRIVAL_COUNTERS or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    if device not in _arrivals:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        have = _arrivals[device] = torch.zeros(_ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
-    return have if pairs <= have.numel() else None
+        _arrivals[device] = torch.zeros(_ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
+    return _arrivals[device] if pairs <= _ARRIVAL_COUNTERS else None
 
 
 def _softcap_args(scale: float, logit_softcap: float) -> tuple[float, float]:
@@ -425,7 +424,7 @@ def paged_decode_attention(
     d_pad = triton.next_power_of_2(head_dim)
     g_pad = triton.next_power_of_2(group)
     splits_pad = triton.next_power_of_2(num_splits)
-    arrivals = None
+    arrivals = None  # set when the splits merge in the kernel
     if num_splits > 1:
         part_acc = torch.empty((num_seqs, num_heads, num_splits, d_pad), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((num_seqs, num_heads, num_splits, 2), dtype=torch.float32, device=q.device)
@@ -435,7 +434,6 @@ def paged_decode_attention(
             arrivals = split_arrivals(q.device, num_seqs * num_kv_heads)
     else:
         part_acc = part_ml = out  # unused
-    merge_in_kernel = arrivals is not None
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_ml, out if arrivals is None else arrivals,
         meta.block_table, meta.cu_q_lens, meta.context_lens, scale * _LOG2E, sliding_window, cap_in, cap_out,
@@ -446,10 +444,10 @@ def paged_decode_attention(
         NUM_SPLITS=num_splits, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, D_PAD=d_pad, DOT_PREC=_dot_precision(q.dtype),
         SLIDING=bool(sliding_window), SOFTCAP=bool(logit_softcap),
-        MERGE_IN_KERNEL=merge_in_kernel, G_PAD=g_pad, SPLITS_PAD=splits_pad,
+        MERGE_IN_KERNEL=arrivals is not None, G_PAD=g_pad, SPLITS_PAD=splits_pad,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    if num_splits > 1 and not merge_in_kernel:
+    if num_splits > 1 and arrivals is None:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, part_acc, part_ml, meta.cu_q_lens, meta.context_lens, out.stride(0), out.stride(1),
             sliding_window,
