@@ -18,8 +18,9 @@ from .metadata import AttentionMetadata
 from .reference_quant import Fp8Rows, fp6_linear, fp8_linear, int8_linear, quantize_fp8_per_token
 
 __all__ = [
-    "fp6_linear", "fp8_linear", "int8_linear", "kv_append", "paged_attention", "quantize_fp8_per_token",
-    "rms_norm", "rms_norm_fp8", "rotary_embedding", "rotary_kv_append", "silu_and_mul",
+    "fp6_linear", "fp8_linear", "gelu_tanh_and_mul", "gelu_tanh_and_mul_fp8", "int8_linear", "kv_append",
+    "paged_attention", "quantize_fp8_per_token", "rms_norm", "rms_norm_fp8", "rotary_embedding",
+    "rotary_kv_append", "silu_and_mul", "silu_and_mul_fp8",
 ]  # fmt: skip
 
 
@@ -57,6 +58,18 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """GeGLU (Gemma): x: [T, 2I] holding gate then up -> gelu_tanh(gate) * up: [T, I]."""
     gate, up = x.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> Fp8Rows:
+    """``silu_and_mul`` whose [T, I] rows come quantized per token for the fp8 linear that reads them."""
+    y = silu_and_mul(x)
+    return Fp8Rows(*quantize_fp8_per_token(y.reshape(-1, y.shape[-1])), x.dtype)
+
+
+def gelu_tanh_and_mul_fp8(x: torch.Tensor) -> Fp8Rows:
+    """``gelu_tanh_and_mul``, its rows quantized per token for an fp8 linear."""
+    y = gelu_tanh_and_mul(x)
+    return Fp8Rows(*quantize_fp8_per_token(y.reshape(-1, y.shape[-1])), x.dtype)
 
 
 def rotary_embedding(

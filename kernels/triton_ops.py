@@ -16,11 +16,13 @@ from .triton_fp8 import fp8_linear, quantize_fp8_per_token
 from .triton_moe import fused_moe, moe_route
 from .triton_pointwise import (
     gelu_tanh_and_mul,
+    gelu_tanh_and_mul_fp8,
     kv_append,
     rms_norm,
     rms_norm_fp8,
     rotary_kv_append,
     silu_and_mul,
+    silu_and_mul_fp8,
 )
 from .triton_quant import fp6_linear, int8_linear
 
@@ -29,6 +31,7 @@ __all__ = [
     "fp8_linear",
     "fused_moe",
     "gelu_tanh_and_mul",
+    "gelu_tanh_and_mul_fp8",
     "int8_linear",
     "kv_append",
     "moe_route",
@@ -38,4 +41,5 @@ __all__ = [
     "rms_norm_fp8",
     "rotary_kv_append",
     "silu_and_mul",
+    "silu_and_mul_fp8",
 ]

@@ -1,5 +1,5 @@
-"""Triton twins of the row-wise reference ops: RMSNorm (and RMSNorm with its output quantized for
-an fp8 linear), SiLU- and GELU-and-mul, rotary embedding fused with the KV append, and the plain KV
+"""Triton twins of the row-wise reference ops: RMSNorm and SiLU- and GELU-and-mul (each also with its
+output quantized per token for the fp8 linear that reads it), rotary embedding fused with the KV append, and the plain KV
 append.
 
 Each op matches ``reference`` in signature and rounding: intermediate values are rounded to the input
@@ -111,20 +111,50 @@ def _tanh(x):
 
 
 @triton.jit
-def _act_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, GELU_TANH: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < inter
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
-    up = tl.load(x_ptr + row * stride_x + inter + cols, mask=ok, other=0.0)
+def _act_and_mul_tile(x_ptr, cols, ok, inter, GELU_TANH: tl.constexpr):
+    """act(gate) * up of one row's columns ``cols``, rounded as torch rounds it, in float32."""
+    gate = tl.load(x_ptr + cols, mask=ok, other=0.0)
+    up = tl.load(x_ptr + inter + cols, mask=ok, other=0.0)
     g = gate.to(tl.float32)
     if GELU_TANH:  # torch's gelu(approximate="tanh"): 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
         act = 0.5 * g * (1.0 + _tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
     else:
         act = g / (1.0 + tl.exp(-g))
-    # why: torch rounds act(gate) to the input dtype before the product
+    # why: torch rounds act(gate) to the input dtype before the product, and the product after it
     act = act.to(gate.dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (act * up.to(tl.float32)).to(gate.dtype), mask=ok)
+    return (act * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+
+
+@triton.jit
+def _act_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, GELU_TANH: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < inter
+    y = _act_and_mul_tile(x_ptr + row * stride_x, cols, ok, inter, GELU_TANH)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _act_and_mul_fp8_kernel(
+    x_ptr, out_ptr, scale_ptr, stride_x, stride_out, inter,
+    GELU_TANH: tl.constexpr, FLOOR: tl.constexpr, MAX: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """A program per row: the row's absmax over act(gate) * up, then the product again, quantized."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for c0 in range(0, inter, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.abs(_act_and_mul_tile(x_row, cols, cols < inter, inter, GELU_TANH)))
+    scale = tl.maximum(tl.max(amax, 0), FLOOR) / MAX
+    tl.store(scale_ptr + row, scale)
+    for c0 in range(0, inter, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        ok = cols < inter
+        y = _act_and_mul_tile(x_row, cols, ok, inter, GELU_TANH)
+        # why div_rn: as in triton_fp8's quantizer, the reference divides in IEEE fp32
+        q = tl.clamp(tl.math.div_rn(y, scale), -MAX, MAX)
+        tl.store(out_ptr + row * stride_out + cols, q.to(tl.float8e4nv), mask=ok)
 
 
 def _act_and_mul(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
@@ -138,6 +168,21 @@ def _act_and_mul(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     return out.view(*x.shape[:-1], inter)
 
 
+def _act_and_mul_fp8(x: torch.Tensor, gelu_tanh: bool) -> Fp8Rows:
+    inter = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * inter)
+    out = torch.empty((x2.shape[0], inter), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+    if x2.shape[0] > 0 and inter > 0:
+        block = min(4096, triton.next_power_of_2(inter))
+        _act_and_mul_fp8_kernel[(x2.shape[0],)](
+            x2, out, scale, x2.stride(0), out.stride(0), inter,
+            GELU_TANH=gelu_tanh, FLOOR=FP8_SCALE_FLOOR, MAX=FP8_MAX, BLOCK=block,
+            num_warps=min(8, max(1, block // 512)),
+        )  # fmt: skip
+    return Fp8Rows(out, scale, x.dtype)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2I] holding gate then up projections -> silu(gate) * up: [T, I]."""
     return _act_and_mul(x, gelu_tanh=False)
@@ -146,6 +191,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """GeGLU: x: [T, 2I] holding gate then up -> gelu_tanh(gate) * up: [T, I]."""
     return _act_and_mul(x, gelu_tanh=True)
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> Fp8Rows:
+    """``silu_and_mul`` quantized for an fp8 linear in the same launch; see ``reference.silu_and_mul_fp8``."""
+    return _act_and_mul_fp8(x, gelu_tanh=False)
+
+
+def gelu_tanh_and_mul_fp8(x: torch.Tensor) -> Fp8Rows:
+    """``gelu_tanh_and_mul`` quantized for an fp8 linear; see ``reference.gelu_tanh_and_mul_fp8``."""
+    return _act_and_mul_fp8(x, gelu_tanh=True)
 
 
 @triton.jit

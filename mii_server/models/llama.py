@@ -103,7 +103,9 @@ class LlamaMLP(nn.Module):
     """Gated MLP: down(act(gate(x)) * up(x)), SwiGLU or GeGLU per ``spec.hidden_act``.
 
     ``reduce=False`` leaves the down projection's partial sum unreduced (a shared expert's output
-    joins the routed experts' before the layer's one all-reduce)."""
+    joins the routed experts' before the layer's one all-reduce). ``fp8_activation`` (set by
+    ``quantization.quantize_linears`` when ``activation_consumer`` is an fp8 linear): the activation's
+    rows come out quantized per token in the same launch (``ops.silu_and_mul_fp8``)."""
 
     def __init__(
         self,
@@ -121,13 +123,20 @@ class LlamaMLP(nn.Module):
                 f"gated MLP activation {spec.hidden_act!r} is not supported ({', '.join(_GATED_ACTIVATIONS)} are)"
             )
         self.act_and_mul = getattr(ops, op)
+        self.act_and_mul_fp8 = getattr(ops, f"{op}_fp8")
+        self.fp8_activation = False
         inter = intermediate_size or spec.intermediate_size
         shard = even_shard(inter, tp)
         self.gate_up_proj = ColumnParallelLinear(spec.hidden_size, [shard, shard], tp, bias=spec.mlp_bias, dtype=dtype)
         self.down_proj = RowParallelLinear(inter, spec.hidden_size, tp, bias=spec.mlp_bias, dtype=dtype, reduce=reduce)
 
+    def activation_consumer(self) -> nn.Module | None:
+        """The one linear reading the activation, where this class's own forward runs."""
+        return self.down_proj if type(self).forward is LlamaMLP.forward else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        act_and_mul = self.act_and_mul_fp8 if self.fp8_activation else self.act_and_mul
+        return self.down_proj(act_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

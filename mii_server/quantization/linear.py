@@ -172,7 +172,8 @@ def quantize_linears(model: nn.Module, scheme: QuantScheme, ops: Any) -> int:
     quantized twin; returns how many were replaced. The full-precision placeholders are freed.
 
     fp8 on fp8 tensor cores: each RMSNorm whose output only an fp8 linear reads (a block's
-    ``norm_consumers``) then quantizes that output itself (``RMSNorm.fp8_output``)."""
+    ``norm_consumers``) then quantizes that output itself (``RMSNorm.fp8_output``), and so does each
+    gated MLP's activation for its down projection (``activation_consumer``, ``fp8_activation``)."""
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -194,4 +195,8 @@ def quantize_linears(model: nn.Module, scheme: QuantScheme, ops: Any) -> int:
             for norm, linear in block.norm_consumers():
                 if isinstance(norm, RMSNorm) and isinstance(linear, _QuantizedLinear):
                     norm.fp8_output = True
+        for mlp in model.modules():
+            consumer = getattr(mlp, "activation_consumer", None)
+            if consumer is not None and isinstance(consumer(), _QuantizedLinear):
+                mlp.fp8_activation = True
     return replaced

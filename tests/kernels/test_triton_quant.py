@@ -199,3 +199,25 @@ def test_rms_norm_fp8_is_the_norm_then_the_per_token_quantizer(dtype: torch.dtyp
     torch.testing.assert_close(rows.scale, want_scale, atol=0, rtol=0)
     if FP8_DEVICE:  # the interpreter rounds fp32 -> fp8 wrongly where rounding carries (see below)
         assert torch.equal(rows.values.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@needs_triton
+@pytest.mark.skipif(ON_GPU and not FP8_DEVICE, reason="no fp8 tensor cores")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["silu_and_mul", "gelu_tanh_and_mul"])
+def test_act_and_mul_fp8_is_the_activation_then_the_per_token_quantizer(dtype: torch.dtype, op: str) -> None:
+    """One launch: the gated activation's rows (two column chunks, the last one partial), quantized as
+    ``quantize_fp8_per_token`` quantizes them; the reference twin is the same composition."""
+    from mii_server.kernels import reference, triton_pointwise
+
+    inter = 14336 if ON_GPU else 5000
+    x = (torch.randn(7, 2 * inter, device=DEVICE) * 3).to(dtype)
+    rows = getattr(triton_pointwise, f"{op}_fp8")(x)
+    want_q, want_scale = reference_quant.quantize_fp8_per_token(getattr(triton_pointwise, op)(x))
+    assert rows.dtype == dtype and rows.values.dtype == torch.float8_e4m3fn and rows.shape == (7, inter)
+    torch.testing.assert_close(rows.scale, want_scale, atol=0, rtol=0)
+    if FP8_DEVICE:  # the interpreter's fp32 -> fp8 rounding differs where rounding carries
+        assert torch.equal(rows.values.view(torch.uint8), want_q.view(torch.uint8))
+    ref, y = getattr(reference, f"{op}_fp8")(x.cpu().float()), getattr(reference, op)(x.cpu().float())
+    # e4m3 keeps 3 mantissa bits: within half a unit (1/16 of the value) or a subnormal step of the scale
+    assert ((ref.values.float() * ref.scale[:, None] - y).abs() <= y.abs() / 16 + ref.scale[:, None]).all()

@@ -1,4 +1,5 @@
-"""fp8 layers: the RMSNorm before an fp8 linear hands it rows already quantized (``rms_norm_fp8``).
+"""fp8 layers: the RMSNorm before an fp8 linear hands it rows already quantized (``rms_norm_fp8``),
+and so does a gated MLP's activation before its down projection (``silu_and_mul_fp8``).
 
 On fp8 tensor cores ``quantize_linears`` turns this on for every block whose norm feeds one fp8 linear
 alone; on the CPU (fp8 emulated by the reference ops) it stays off, so here it is switched on by hand
@@ -16,7 +17,7 @@ import mii_server
 from mii_server.kernels import reference, reference_quant
 from mii_server.models import load_model
 from mii_server.models.layers import RMSNorm
-from mii_server.models.llama import LlamaDecoderLayer
+from mii_server.models.llama import LlamaDecoderLayer, LlamaMLP
 
 PROMPTS = ["The list of", "A file is", "To read a", "Hello"]
 
@@ -31,10 +32,15 @@ def test_emulated_fp8_keeps_plain_norms_and_fused_norms_change_nothing(prequanti
     model = pipe.runtime.loaded.model
     pairs = _norm_consumers(model)
     assert len(pairs) == 2 * model.spec.num_layers  # each block: input norm -> qkv, post norm -> gate_up
+    mlps = [m for m in model.modules() if isinstance(m, LlamaMLP)]
+    assert len(mlps) == model.spec.num_layers and all(m.activation_consumer() is m.down_proj for m in mlps)
     assert not any(norm.fp8_output for norm, _ in pairs)  # emulated: off
+    assert not any(m.fp8_activation for m in mlps)
     plain = [r.token_ids for r in pipe(PROMPTS, max_new_tokens=8, do_sample=False)]
     for norm, _ in pairs:
         norm.fp8_output = True
+    for mlp in mlps:
+        mlp.fp8_activation = True
     fused = [r.token_ids for r in pipe(PROMPTS, max_new_tokens=8, do_sample=False)]
     assert fused == plain
     pipe.destroy()
