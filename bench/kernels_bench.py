@@ -5,6 +5,8 @@
 - prefill: 8 sequences x 2048 new tokens, same heads; achieved causal TFLOP/s as a fraction of the
   dense bf16 matmul rate; beside it every library kernel torch offers for the same problem
   (FlashAttention-2 varlen, cuDNN varlen and dense, SDPA's backends), each checked first.
+- ``--sweep gemm``: the same linears at decode's few rows, cuBLAS against our Triton GEMMs on bf16,
+  int8 and fp8 weights over a sweep of tile shapes, each against its weight-read floor.
 - ``--blas``: Llama-3-8B's linear layers at 1, 256 and 8192 rows through cuBLAS and cuBLASLt, against
   the larger of their weight-read and compute floors.
 
@@ -15,6 +17,7 @@ Run from the repository root with the package importable, e.g.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 
@@ -261,16 +264,100 @@ def bench_blas_libraries(rows_list: tuple[int, ...] = (1, 256, 8192)) -> list[di
     return out
 
 
+def _gemm_tiles(fp8: bool) -> list[tuple[int, int, int, int, int]]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) tried at few rows; fp8 reads half the bytes per K."""
+    ks = (256, 512, 1024) if fp8 else (128, 256, 512)
+    tiles = [(16, bn, bk, 4, s) for bn in (16, 32, 64) for bk in ks for s in (3, 5)]
+    return tiles + [(16, 32, ks[1], 8, 4), (16, 64, ks[1], 8, 3), (16, 128, ks[0], 8, 3)]
+
+
+def _graph_us(fn, copies: int) -> float:
+    """Microseconds per product of ``fn``, which runs ``copies`` of them, replayed in a CUDA graph."""
+    return triton.testing.do_bench_cudagraph(fn, rep=50) / copies * 1e3
+
+
+def _sweep_gemm(label: str, run, weights: list[torch.Tensor], floor_us: float, fp8: bool) -> list[dict]:
+    """Time ``run(weight, tiles)`` over every tile configuration, each checked against the default's."""
+    expected = run(weights[0], None)
+    rows = []
+    for tiles in [None, *_gemm_tiles(fp8)]:
+        try:
+            torch.testing.assert_close(run(weights[0], tiles), expected, atol=1e-2, rtol=1e-2)
+            us = _graph_us(lambda tiles=tiles: [run(w, tiles) for w in weights], len(weights))
+        except Exception as exc:  # noqa: BLE001 - a tile may not fit in shared memory
+            print(json.dumps({"bench": label, "tiles": tiles, "error": str(exc)[:100]}))
+            continue
+        rows.append(_report(label, us / 1e3, us=us, frac_floor=floor_us / us))
+        rows[-1]["tiles"] = tiles or "default"
+        print(json.dumps({"tiles": rows[-1]["tiles"]}))
+    best = min(rows, key=lambda r: r["us"])
+    print(json.dumps({"bench": f"{label}_best", "tiles": best["tiles"], "us": best["us"],
+                      "frac_floor": best["frac_floor"]}))  # fmt: skip
+    return rows
+
+
+def bench_decode_gemms(rows_list: tuple[int, ...] = (1, 16)) -> list[dict]:
+    """The model's linears at decode's few rows: cuBLAS on bf16 weights against our Triton GEMMs on
+    bf16, int8 (weight-only) and fp8 (activations quantized per token) weights, over a sweep of tiles.
+    CUDA-graph replay over 8 copies of each weight (so L2 holds none); microseconds per product and the
+    fraction of the weight-read floor."""
+    from mii_server.kernels import triton_fp8
+
+    out = []
+    for name, (n, k) in LINEAR_SHAPES.items():
+        if name == "lm_head":
+            continue
+        bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(8)]
+        weights = {
+            "bf16": bf16,
+            "int8": [torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8) for _ in range(8)],
+            "fp8": [w.mul(64).to(torch.float8_e4m3fn) for w in bf16],
+        }
+        scale = torch.rand(n, 1, device="cuda") / 64 + 1e-3
+        for m in rows_list:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            q, x_scale = triton_fp8.quantize_fp8_per_token(x)
+            floor_us = n * k * 2 / HBM_BYTES_PER_S * 1e6
+            cublas_us = _graph_us(functools.partial(lambda x, ws: [F.linear(x, w) for w in ws], x, bf16), 8)
+            out.append(_report(f"gemm_{name}_m{m}_cublas_bf16", cublas_us / 1e3, us=cublas_us,
+                               frac_floor=floor_us / cublas_us))  # fmt: skip
+            out += _sweep_gemm(
+                f"gemm_{name}_m{m}_bf16", functools.partial(_weight_only, x, scale), bf16, floor_us, False
+            )
+            out += _sweep_gemm(
+                f"gemm_{name}_m{m}_int8", functools.partial(_weight_only, x, scale), weights["int8"],
+                floor_us / 2, False,
+            )  # fmt: skip
+            out += _sweep_gemm(
+                f"gemm_{name}_m{m}_fp8", functools.partial(_fp8, q, x_scale, scale), weights["fp8"],
+                floor_us / 2, True,
+            )  # fmt: skip
+    return out
+
+
+def _weight_only(x, scale, weight, tiles):
+    from mii_server.kernels import triton_quant
+
+    return triton_quant.weight_only_linear(x, weight, scale, None, False, tiles)
+
+
+def _fp8(q, x_scale, scale, weight, tiles):
+    from mii_server.kernels import triton_fp8
+
+    return triton_fp8.fp8_gemm_triton(q, x_scale, weight, scale, None, torch.bfloat16, tiles)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--sweep", nargs="*", choices=["decode", "prefill"], default=None,
+        "--sweep", nargs="*", choices=["decode", "prefill", "gemm"], default=None,
         help="also time other tile configurations of these kernels (both when given bare)",
     )  # fmt: skip
     parser.add_argument("--block-size", type=int, nargs="+", default=[16], help="KV cache block sizes")
     parser.add_argument(
         "--blas", action="store_true", help="also time the model's linear shapes in cuBLAS and cuBLASLt"
     )
+    parser.add_argument("--gemm-rows", type=int, nargs="+", default=[1, 16], help="rows of --sweep gemm")
     parser.add_argument("--json", help="write all rows to this file")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "the kernel benchmarks need a CUDA device"
@@ -279,11 +366,13 @@ def main() -> None:
                       "triton": triton.__version__}))  # fmt: skip
     rows = []
     for block_size in args.block_size:
-        sweep = set() if args.sweep is None else set(args.sweep or ("decode", "prefill"))
+        sweep = set() if args.sweep is None else set(args.sweep or ("decode", "prefill", "gemm"))
         rows += bench_decode("decode" in sweep, block_size)
         rows += bench_prefill("prefill" in sweep, block_size)
     if args.blas:
         rows += bench_blas_libraries()
+    if args.sweep is not None and "gemm" in args.sweep:
+        rows += bench_decode_gemms(tuple(args.gemm_rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

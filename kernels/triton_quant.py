@@ -110,9 +110,12 @@ def _tiles(m: int, fp6: bool) -> tuple[int, int, int, int, int]:
     return 128, 128, 32 if fp6 else 64, 8, 3
 
 
-def _weight_only_linear(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, fp6: bool
-) -> torch.Tensor:
+def weight_only_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, fp6: bool,
+    tiles: tuple[int, int, int, int, int] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """x @ (weight * scale)^T + bias, the weight int8 or 16-bit (``fp6``: packed FP6 codes).
+    ``tiles``: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) instead of ``_tiles``' choice (benchmarks)."""
     m, k = x.shape
     n = weight.shape[0]
     assert scale.shape == (n, 1), "weight-only kernels take one scale per output channel"
@@ -122,7 +125,7 @@ def _weight_only_linear(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    bm, bn, bk, warps, stages = _tiles(m, fp6)
+    bm, bn, bk, warps, stages = tiles or _tiles(m, fp6)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
     _weight_only_gemm_kernel[grid](
         x, weight, scale, bias if bias is not None else scale, out,
@@ -137,11 +140,11 @@ def int8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """See ``reference_quant.int8_linear``."""
-    return _weight_only_linear(x, weight, scale, bias, fp6=False)
+    return weight_only_linear(x, weight, scale, bias, fp6=False)
 
 
 def fp6_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """See ``reference_quant.fp6_linear``."""
-    return _weight_only_linear(x, weight, scale, bias, fp6=True)
+    return weight_only_linear(x, weight, scale, bias, fp6=True)
