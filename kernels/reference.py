@@ -18,7 +18,7 @@ from .metadata import AttentionMetadata
 from .reference_quant import Fp8Rows, fp6_linear, fp8_linear, int8_linear, quantize_fp8_per_token
 
 __all__ = [
-    "fp6_linear", "fp8_linear", "gelu_tanh_and_mul", "gelu_tanh_and_mul_fp8", "int8_linear", "kv_append",
+    "dense_linear", "fp6_linear", "fp8_linear", "gelu_tanh_and_mul", "gelu_tanh_and_mul_fp8", "int8_linear", "kv_append",
     "paged_attention", "quantize_fp8_per_token", "rms_norm", "rms_norm_fp8", "rotary_embedding",
     "rotary_kv_append", "silu_and_mul", "silu_and_mul_fp8",
 ]  # fmt: skip
@@ -46,6 +46,11 @@ def rms_norm_fp8(
     normed, stream = rms_norm(x, weight, eps, residual)
     q, scale = quantize_fp8_per_token(normed.reshape(-1, normed.shape[-1]))
     return Fp8Rows(q, scale, x.dtype), stream
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, K] @ weight [N, K]^T -> [T, N] in x's dtype (an unquantized linear without bias)."""
+    return F.linear(x, weight)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

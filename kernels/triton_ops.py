@@ -5,7 +5,7 @@
 KV append), ``triton_attention`` (ragged paged attention: a split-K decode kernel and a ragged prefill
 kernel behind one dispatch, with sliding windows and logit soft-capping), ``triton_moe`` (the fused
 mixture-of-experts router and MLP: tokens sorted by expert, one grouped GEMM per projection),
-``triton_quant`` (int8 and FP6 weight-only GEMMs) and ``triton_fp8`` (fp8 activation quantization and
+``triton_quant`` (int8 and FP6 weight-only GEMMs, and the few-row dense GEMM) and ``triton_fp8`` (fp8 activation quantization and
 GEMMs).
 """
 
@@ -24,9 +24,10 @@ from .triton_pointwise import (
     silu_and_mul,
     silu_and_mul_fp8,
 )
-from .triton_quant import fp6_linear, int8_linear
+from .triton_quant import dense_linear, fp6_linear, int8_linear
 
 __all__ = [
+    "dense_linear",
     "fp6_linear",
     "fp8_linear",
     "fused_moe",

@@ -8,6 +8,9 @@ tensor cores with float32 accumulation. The per-output-channel scale is applied 
 Decode steps (a few rows) are bound by reading the weight, which is where 1 or 0.75 bytes a weight
 pays. Large prefill steps are bound by compute: there the weight is dequantized to the activation
 dtype once and the product runs in cuBLAS (``DEQUANT_MIN_ROWS``).
+
+``dense_linear``: the same kernel on an unquantized 16-bit weight, for the few-row products where it
+beats cuBLAS (see ``DENSE_MAX_ROWS``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import triton.language as tl
 
 from .fp6_format import FP6_FP16_FACTOR
 from .reference_quant import dequantize_weight
-from .triton_attention import _dot_precision
+from .triton_attention import _dot_precision, _num_sms
 
 # Rows from which a dequantized weight and cuBLAS beat the fused kernel: the dequantization (one read
 # of the quantized weight, one write and one read of the 16-bit copy) costs a few percent of a product
@@ -57,7 +60,7 @@ def store_gemm_tile(acc, out_ptr, bias_ptr, rm, rn, m_ok, n_ok, stride_om, HAS_B
 def _weight_only_gemm_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, scale_factor,
-    FP6: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
+    FP6: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     rm, rn, m_ok, n_ok = gemm_tile(M, N, BLOCK_M, BLOCK_N)
@@ -95,8 +98,9 @@ def _weight_only_gemm_kernel(
             w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0)  # int8 [BK, BN]
             x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
             acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PREC)
-    scale = tl.load(scale_ptr + rn, mask=n_ok, other=0.0) * scale_factor  # [BN]
-    store_gemm_tile(acc * scale[None, :], out_ptr, bias_ptr, rm, rn, m_ok, n_ok, stride_om, HAS_BIAS)
+    if SCALED:
+        acc *= (tl.load(scale_ptr + rn, mask=n_ok, other=0.0) * scale_factor)[None, :]
+    store_gemm_tile(acc, out_ptr, bias_ptr, rm, rn, m_ok, n_ok, stride_om, HAS_BIAS)
 
 
 def _tiles(m: int, fp6: bool) -> tuple[int, int, int, int, int]:
@@ -111,16 +115,18 @@ def _tiles(m: int, fp6: bool) -> tuple[int, int, int, int, int]:
 
 
 def weight_only_linear(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, fp6: bool,
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, fp6: bool,
     tiles: tuple[int, int, int, int, int] | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """x @ (weight * scale)^T + bias, the weight int8 or 16-bit (``fp6``: packed FP6 codes).
-    ``tiles``: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) instead of ``_tiles``' choice (benchmarks)."""
+    """x @ (weight * scale)^T + bias, the weight int8 or 16-bit (``fp6``: packed FP6 codes; ``scale``
+    None: a 16-bit weight used as it is). ``tiles``: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+    instead of ``_tiles``' choice."""
     m, k = x.shape
     n = weight.shape[0]
-    assert scale.shape == (n, 1), "weight-only kernels take one scale per output channel"
+    assert scale is None or scale.shape == (n, 1), "weight-only kernels take one scale per output channel"
     if m >= DEQUANT_MIN_ROWS:
-        return torch.nn.functional.linear(x, dequantize_weight(weight, scale, x.dtype), bias)
+        w = weight if scale is None else dequantize_weight(weight, scale, x.dtype)
+        return torch.nn.functional.linear(x, w, bias)
     assert x.stride(-1) == 1 and weight.stride(-1) == 1, "the last dimension must be contiguous"
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
@@ -128,9 +134,9 @@ def weight_only_linear(
     bm, bn, bk, warps, stages = tiles or _tiles(m, fp6)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
     _weight_only_gemm_kernel[grid](
-        x, weight, scale, bias if bias is not None else scale, out,
+        x, weight, scale if scale is not None else x, bias if bias is not None else x, out,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), FP6_FP16_FACTOR if fp6 else 1.0,
-        FP6=fp6, HAS_BIAS=bias is not None, DOT_PREC=_dot_precision(x.dtype),
+        FP6=fp6, SCALED=scale is not None, HAS_BIAS=bias is not None, DOT_PREC=_dot_precision(x.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
@@ -148,3 +154,19 @@ def fp6_linear(
 ) -> torch.Tensor:
     """See ``reference_quant.fp6_linear``."""
     return weight_only_linear(x, weight, scale, bias, fp6=True)
+
+
+# dense_linear's Triton regime: few rows (a product that only reads its weight) and an output narrow
+# enough that its 32-row weight slices give at most one program per SM, where cuBLAS splits K and
+# adds a reduce launch. One row on an H200 (bench/kernels_bench.py --sweep gemm): o_proj 4096 x 4096
+# 11.7 us against cuBLAS's 13.6, down 4096 x 14336 30.9 against 32.1; qkv and gate_up stay in cuBLAS
+DENSE_MAX_ROWS = 16
+DENSE_TILES = (16, 32, 512, 4, 3)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T in x's dtype: see ``reference.dense_linear``."""
+    n = weight.shape[0]
+    if x.shape[0] > DENSE_MAX_ROWS or triton.cdiv(n, DENSE_TILES[1]) > _num_sms(x.device) or x.stride(-1) != 1:
+        return torch.nn.functional.linear(x, weight)
+    return weight_only_linear(x, weight, None, None, False, DENSE_TILES)

@@ -79,7 +79,9 @@ def even_shard(total: int, tp: TensorParallelGroup) -> tuple[int, int, int]:
 class RowParallelLinear(nn.Module):
     """y = x W^T (+ b) with W's input columns split over the ranks and the partial sums all-reduced.
 
-    ``reduce=False`` returns this rank's partial sum (the caller reduces it with others, once)."""
+    ``reduce=False`` returns this rank's partial sum (the caller reduces it with others, once).
+    ``ops``: the product runs in ``ops.dense_linear`` (a single-launch kernel for decode's few rows on
+    the GPU, whose narrow output makes cuBLAS split K); without, in ``torch.nn.functional.linear``."""
 
     def __init__(
         self,
@@ -89,11 +91,13 @@ class RowParallelLinear(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         reduce: bool = True,
+        ops: Any = None,
     ) -> None:
         super().__init__()
         assert reduce or not bias, "a bias must be added once, after the reduction"
         self.tp = tp
         self.reduce = reduce
+        self._product = nn.functional.linear if ops is None else ops.dense_linear
         self.in_start, in_share = tp.split(in_features)
         self.weight = nn.Parameter(torch.empty(out_features, in_share, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self._load_weight  # type: ignore[attr-defined]
@@ -107,7 +111,7 @@ class RowParallelLinear(nn.Module):
         _copy(param, narrow(source, 1, self.in_start, param.shape[1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = nn.functional.linear(x, self.weight)
+        y = self._product(x, self.weight)
         if self.reduce:
             y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias

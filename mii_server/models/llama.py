@@ -71,7 +71,9 @@ class LlamaAttention(nn.Module):
             bias=spec.qkv_bias,
             dtype=dtype,
         )
-        self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden_size, tp, bias=spec.o_bias, dtype=dtype)
+        self.o_proj = RowParallelLinear(
+            spec.num_heads * d, spec.hidden_size, tp, bias=spec.o_bias, dtype=dtype, ops=ops
+        )
         # Qwen3 (RMSNorm) and Phi's qk_layernorm: each head of q and k normed over D before rotary
         qk_norm = _QK_NORMS.get(spec.qk_norm)
         self.q_norm = None if qk_norm is None else qk_norm(d, spec.rms_norm_eps, dtype, ops)
@@ -128,7 +130,9 @@ class LlamaMLP(nn.Module):
         inter = intermediate_size or spec.intermediate_size
         shard = even_shard(inter, tp)
         self.gate_up_proj = ColumnParallelLinear(spec.hidden_size, [shard, shard], tp, bias=spec.mlp_bias, dtype=dtype)
-        self.down_proj = RowParallelLinear(inter, spec.hidden_size, tp, bias=spec.mlp_bias, dtype=dtype, reduce=reduce)
+        self.down_proj = RowParallelLinear(
+            inter, spec.hidden_size, tp, bias=spec.mlp_bias, dtype=dtype, reduce=reduce, ops=ops
+        )
 
     def activation_consumer(self) -> nn.Module | None:
         """The one linear reading the activation, where this class's own forward runs."""

@@ -221,3 +221,23 @@ def test_act_and_mul_fp8_is_the_activation_then_the_per_token_quantizer(dtype: t
     ref, y = getattr(reference, f"{op}_fp8")(x.cpu().float()), getattr(reference, op)(x.cpu().float())
     # e4m3 keeps 3 mantissa bits: within half a unit (1/16 of the value) or a subnormal step of the scale
     assert ((ref.values.float() * ref.scale[:, None] - y).abs() <= y.abs() / 16 + ref.scale[:, None]).all()
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 16, 17])
+def test_dense_linear_is_the_plain_product(dtype: torch.dtype, rows: int, monkeypatch) -> None:
+    """Few rows and a narrow output run the single-launch Triton GEMM, the rest cuBLAS; both are x W^T."""
+    from mii_server.kernels import triton_quant
+
+    launches = []
+    kernel = triton_quant.weight_only_linear
+    monkeypatch.setattr(triton_quant, "weight_only_linear", lambda *a: launches.append(a) or kernel(*a))
+    n, k = (4096, 14336) if ON_GPU else (64, 96)  # one 32-row weight slice per SM at most
+    x = torch.randn(rows, k, device=DEVICE).to(dtype)
+    weight = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
+    torch.testing.assert_close(
+        triton_quant.dense_linear(x, weight), torch.nn.functional.linear(x.float(), weight.float()).to(dtype),
+        **TOL[dtype],
+    )  # fmt: skip
+    assert len(launches) == (rows <= triton_quant.DENSE_MAX_ROWS)
