@@ -5,8 +5,9 @@
 - prefill: 8 sequences x 2048 new tokens, same heads; achieved causal TFLOP/s as a fraction of the
   dense bf16 matmul rate; beside it every library kernel torch offers for the same problem
   (FlashAttention-2 varlen, cuDNN varlen and dense, SDPA's backends), each checked first.
-- ``--sweep gemm``: the same linears at decode's few rows, cuBLAS against our Triton GEMMs on bf16,
-  int8 and fp8 weights over a sweep of tile shapes, each against its weight-read floor.
+- ``--gemm``: the same linears at decode's few rows, cuBLAS against our Triton GEMMs on bf16 (where
+  ``dense_linear`` takes them), int8 and fp8 weights, each against its weight-read floor;
+  ``--sweep gemm`` times every tile shape of the Triton GEMMs instead of their defaults.
 - ``--blas``: Llama-3-8B's linear layers at 1, 256 and 8192 rows through cuBLAS and cuBLASLt, against
   the larger of their weight-read and compute floors.
 
@@ -276,11 +277,14 @@ def _graph_us(fn, copies: int) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=50) / copies * 1e3
 
 
-def _sweep_gemm(label: str, run, weights: list[torch.Tensor], floor_us: float, fp8: bool) -> list[dict]:
-    """Time ``run(weight, tiles)`` over every tile configuration, each checked against the default's."""
+def _sweep_gemm(
+    label: str, run, weights: list[torch.Tensor], floor_us: float, fp8: bool, sweep: bool
+) -> list[dict]:  # fmt: skip
+    """Time ``run(weight, tiles)`` with the default tiles and (``sweep``) every other configuration,
+    each checked against the default's output."""
     expected = run(weights[0], None)
     rows = []
-    for tiles in [None, *_gemm_tiles(fp8)]:
+    for tiles in [None, *(_gemm_tiles(fp8) if sweep else [])]:
         try:
             torch.testing.assert_close(run(weights[0], tiles), expected, atol=1e-2, rtol=1e-2)
             us = _graph_us(lambda tiles=tiles: [run(w, tiles) for w in weights], len(weights))
@@ -296,9 +300,11 @@ def _sweep_gemm(label: str, run, weights: list[torch.Tensor], floor_us: float, f
     return rows
 
 
-def bench_decode_gemms(rows_list: tuple[int, ...] = (1, 16)) -> list[dict]:
+def bench_decode_gemms(rows_list: tuple[int, ...], sweep: bool) -> list[dict]:
     """The model's linears at decode's few rows: cuBLAS on bf16 weights against our Triton GEMMs on
-    bf16, int8 (weight-only) and fp8 (activations quantized per token) weights, over a sweep of tiles.
+    bf16 (``dense_linear``, where it takes the product; the weight-only kernel on a bf16 weight when
+    sweeping), int8 (weight-only) and fp8 (activations quantized per token) weights; ``sweep``: over
+    every tile configuration.
     CUDA-graph replay over 8 copies of each weight (so L2 holds none); microseconds per product and the
     fraction of the weight-read floor."""
     from mii_server.kernels import triton_fp8
@@ -321,16 +327,15 @@ def bench_decode_gemms(rows_list: tuple[int, ...] = (1, 16)) -> list[dict]:
             cublas_us = _graph_us(functools.partial(lambda x, ws: [F.linear(x, w) for w in ws], x, bf16), 8)
             out.append(_report(f"gemm_{name}_m{m}_cublas_bf16", cublas_us / 1e3, us=cublas_us,
                                frac_floor=floor_us / cublas_us))  # fmt: skip
-            out += _sweep_gemm(
-                f"gemm_{name}_m{m}_bf16", functools.partial(_weight_only, x, scale), bf16, floor_us, False
-            )
+            bf16_run = functools.partial(_weight_only, x, scale) if sweep else functools.partial(_dense, x)
+            out += _sweep_gemm(f"gemm_{name}_m{m}_bf16", bf16_run, bf16, floor_us, False, sweep)
             out += _sweep_gemm(
                 f"gemm_{name}_m{m}_int8", functools.partial(_weight_only, x, scale), weights["int8"],
-                floor_us / 2, False,
+                floor_us / 2, False, sweep,
             )  # fmt: skip
             out += _sweep_gemm(
                 f"gemm_{name}_m{m}_fp8", functools.partial(_fp8, q, x_scale, scale), weights["fp8"],
-                floor_us / 2, True,
+                floor_us / 2, True, sweep,
             )  # fmt: skip
     return out
 
@@ -339,6 +344,13 @@ def _weight_only(x, scale, weight, tiles):
     from mii_server.kernels import triton_quant
 
     return triton_quant.weight_only_linear(x, weight, scale, None, False, tiles)
+
+
+def _dense(x, weight, tiles):
+    from mii_server.kernels import triton_quant
+
+    assert tiles is None, "dense_linear picks its own tiles"
+    return triton_quant.dense_linear(x, weight)
 
 
 def _fp8(q, x_scale, scale, weight, tiles):
@@ -357,7 +369,11 @@ def main() -> None:
     parser.add_argument(
         "--blas", action="store_true", help="also time the model's linear shapes in cuBLAS and cuBLASLt"
     )
-    parser.add_argument("--gemm-rows", type=int, nargs="+", default=[1, 16], help="rows of --sweep gemm")
+    parser.add_argument(
+        "--gemm", action="store_true", help="the linears at decode's few rows: cuBLAS against our GEMMs"
+    )
+    parser.add_argument("--gemm-rows", type=int, nargs="+", default=[1, 16], help="rows of --gemm / --sweep gemm")
+    parser.add_argument("--no-attention", action="store_true", help="skip the attention benchmarks")
     parser.add_argument("--json", help="write all rows to this file")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "the kernel benchmarks need a CUDA device"
@@ -365,14 +381,15 @@ def main() -> None:
     print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "triton": triton.__version__}))  # fmt: skip
     rows = []
-    for block_size in args.block_size:
+    for block_size in [] if args.no_attention else args.block_size:
         sweep = set() if args.sweep is None else set(args.sweep or ("decode", "prefill", "gemm"))
         rows += bench_decode("decode" in sweep, block_size)
         rows += bench_prefill("prefill" in sweep, block_size)
     if args.blas:
         rows += bench_blas_libraries()
-    if args.sweep is not None and "gemm" in args.sweep:
-        rows += bench_decode_gemms(tuple(args.gemm_rows))
+    gemm_sweep = args.sweep is not None and "gemm" in (args.sweep or ("gemm",))
+    if args.gemm or gemm_sweep:
+        rows += bench_decode_gemms(tuple(args.gemm_rows), gemm_sweep)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
