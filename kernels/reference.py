@@ -18,8 +18,8 @@ from .metadata import AttentionMetadata
 from .reference_quant import Fp8Rows, fp6_linear, fp8_linear, int8_linear, quantize_fp8_per_token
 
 __all__ = [
-    "dense_linear", "fp6_linear", "fp8_linear", "gelu_tanh_and_mul", "gelu_tanh_and_mul_fp8", "int8_linear", "kv_append",
-    "paged_attention", "quantize_fp8_per_token", "rms_norm", "rms_norm_fp8", "rotary_embedding",
+    "dense_linear", "fp6_linear", "fp8_linear", "gelu_tanh_and_mul", "gelu_tanh_and_mul_fp8", "int8_linear",
+    "kv_append", "paged_attention", "quantize_fp8_per_token", "rms_norm", "rms_norm_fp8", "rotary_embedding",
     "rotary_kv_append", "silu_and_mul", "silu_and_mul_fp8",
 ]  # fmt: skip
 

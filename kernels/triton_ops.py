@@ -5,8 +5,8 @@
 KV append), ``triton_attention`` (ragged paged attention: a split-K decode kernel and a ragged prefill
 kernel behind one dispatch, with sliding windows and logit soft-capping), ``triton_moe`` (the fused
 mixture-of-experts router and MLP: tokens sorted by expert, one grouped GEMM per projection),
-``triton_quant`` (int8 and FP6 weight-only GEMMs, and the few-row dense GEMM) and ``triton_fp8`` (fp8 activation quantization and
-GEMMs).
+``triton_quant`` (int8 and FP6 weight-only GEMMs, and the few-row dense GEMM) and ``triton_fp8``
+(fp8 activation quantization and GEMMs).
 """
 
 from __future__ import annotations

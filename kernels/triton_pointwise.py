@@ -1,6 +1,6 @@
 """Triton twins of the row-wise reference ops: RMSNorm and SiLU- and GELU-and-mul (each also with its
-output quantized per token for the fp8 linear that reads it), rotary embedding fused with the KV append, and the plain KV
-append.
+output quantized per token for the fp8 linear that reads it), rotary embedding fused with the KV
+append, and the plain KV append.
 
 Each op matches ``reference`` in signature and rounding: intermediate values are rounded to the input
 dtype exactly where the reference rounds them, so results agree to the last bit up to fp32

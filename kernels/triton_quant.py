@@ -166,7 +166,7 @@ DENSE_TILES = (16, 32, 512, 4, 3)
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T in x's dtype: see ``reference.dense_linear``."""
-    n = weight.shape[0]
-    if x.shape[0] > DENSE_MAX_ROWS or triton.cdiv(n, DENSE_TILES[1]) > _num_sms(x.device) or x.stride(-1) != 1:
+    few_rows = x.dim() == 2 and x.shape[0] <= DENSE_MAX_ROWS and x.stride(-1) == 1
+    if not few_rows or triton.cdiv(weight.shape[0], DENSE_TILES[1]) > _num_sms(x.device):
         return torch.nn.functional.linear(x, weight)
     return weight_only_linear(x, weight, None, None, False, DENSE_TILES)
