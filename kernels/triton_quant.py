@@ -159,8 +159,8 @@ def fp6_linear(
 # dense_linear's Triton regime: few rows (a product that only reads its weight) and an output narrow
 # enough that its 32-row weight slices give at most one program per SM, where cuBLAS splits K and
 # adds a reduce launch. One row on an H200 (bench/kernels_bench.py --sweep gemm): o_proj 4096 x 4096
-# 11.7 us against cuBLAS's 13.6, down 4096 x 14336 30.9 against 32.1; qkv and gate_up stay in cuBLAS.
-# 2-16 rows were not timed (bench/kernels_bench.py --gemm --gemm-rows 1 4 16 does)
+# 11.7 us against cuBLAS's 13.6, down 4096 x 14336 30.9 against 32.1 (at 16 rows: 11.5 / 14.0 and
+# 31.5 / 33.5, kernels_bench.py --gemm); qkv and gate_up stay in cuBLAS
 DENSE_MAX_ROWS = 16
 DENSE_TILES = (16, 32, 512, 4, 3)
 
