@@ -376,17 +376,25 @@ def test_client_disconnect_mid_stream_frees_kv_blocks(deployment: Deployment) ->
     assert 1 <= generated < 2000
 
 
-def _abandon(deployment: Deployment, path: str, body: dict) -> None:
+def _abandon(deployment: Deployment, path: str, body: dict, prompts: int) -> None:
     """Send ``body`` from a client process that is killed (SIGKILL, as a killed curl) once the replica
-    holds KV blocks for it; then wait until the replica is idle again."""
+    has received its ``prompts`` prompts and holds KV blocks for them; then wait until the replica is
+    idle again."""
     (idle,) = deployment.client.stats()
+
+    def holding() -> bool:
+        (now,) = deployment.client.stats()
+        # why prompts_received: with a seed, n prompts are n upstream calls; a kill after the first
+        # few would leave the rest never sent, and so never aborted
+        return now.prompts_received - idle.prompts_received >= prompts and now.free_blocks < idle.free_blocks
+
     script = (
         "import sys, requests; requests.post(sys.argv[1], data=sys.argv[2], "
         "headers={'Authorization': 'Bearer ' + sys.argv[3], 'Content-Type': 'application/json'}, timeout=120)"
     )
     caller = subprocess.Popen([sys.executable, "-c", script, deployment.base_url + path, json.dumps(body), KEY])
     try:
-        wait_for(lambda: deployment.client.stats()[0].free_blocks < idle.free_blocks, 60, "the request to hold KV")
+        wait_for(holding, 60, "the request's prompts to hold KV")
     finally:
         caller.kill()
         caller.wait()
@@ -407,7 +415,7 @@ def test_an_abandoned_non_streaming_request_aborts_its_prompts(
 ) -> None:
     replica_url = f"http://127.0.0.1:{deployment.metrics_port}/metrics"
     before = scrape(replica_url)
-    _abandon(deployment, path, {"model": MODEL, "max_tokens": 2000, "ignore_eos": True, **body})
+    _abandon(deployment, path, {"model": MODEL, "max_tokens": 2000, "ignore_eos": True, **body}, prompts)
     after = scrape(replica_url)
 
     def delta(name: str, **labels: str) -> float:
