@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from mii_server.kernels import reference, triton_attention
+from mii_server.kernels import reference, triton_attention, triton_fp8, triton_quant
 from mii_server.kernels.metadata import AttentionMetadata
 
 HBM_BYTES_PER_S = 4.24e12  # measured device-to-device copy rate on the H200
@@ -291,9 +291,9 @@ def _sweep_gemm(
         except Exception as exc:  # noqa: BLE001 - a tile may not fit in shared memory
             print(json.dumps({"bench": label, "tiles": tiles, "error": str(exc)[:100]}))
             continue
-        rows.append(_report(label, us / 1e3, us=us, frac_floor=floor_us / us))
-        rows[-1]["tiles"] = tiles or "default"
-        print(json.dumps({"tiles": rows[-1]["tiles"]}))
+        rows.append({"bench": label, "ms": round(us / 1e3, 4), "us": round(us, 2),
+                     "frac_floor": round(floor_us / us, 4), "tiles": tiles or "default"})  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
     best = min(rows, key=lambda r: r["us"])
     print(json.dumps({"bench": f"{label}_best", "tiles": best["tiles"], "us": best["us"],
                       "frac_floor": best["frac_floor"]}))  # fmt: skip
@@ -307,8 +307,6 @@ def bench_decode_gemms(rows_list: tuple[int, ...], sweep: bool) -> list[dict]:
     every tile configuration.
     CUDA-graph replay over 8 copies of each weight (so L2 holds none); microseconds per product and the
     fraction of the weight-read floor."""
-    from mii_server.kernels import triton_fp8
-
     out = []
     for name, (n, k) in LINEAR_SHAPES.items():
         if name == "lm_head":
@@ -341,21 +339,15 @@ def bench_decode_gemms(rows_list: tuple[int, ...], sweep: bool) -> list[dict]:
 
 
 def _weight_only(x, scale, weight, tiles):
-    from mii_server.kernels import triton_quant
-
     return triton_quant.weight_only_linear(x, weight, scale, None, False, tiles)
 
 
 def _dense(x, weight, tiles):
-    from mii_server.kernels import triton_quant
-
     assert tiles is None, "dense_linear picks its own tiles"
     return triton_quant.dense_linear(x, weight)
 
 
 def _fp8(q, x_scale, scale, weight, tiles):
-    from mii_server.kernels import triton_fp8
-
     return triton_fp8.fp8_gemm_triton(q, x_scale, weight, scale, None, torch.bfloat16, tiles)
 
 

@@ -44,8 +44,12 @@ def rms_norm_fp8(
     """``rms_norm`` whose normed rows come quantized for the fp8 linear that reads them:
     (``Fp8Rows`` of the normed [T, H] rows, the new residual stream)."""
     normed, stream = rms_norm(x, weight, eps, residual)
-    q, scale = quantize_fp8_per_token(normed.reshape(-1, normed.shape[-1]))
-    return Fp8Rows(q, scale, x.dtype), stream
+    return _fp8_rows(normed), stream
+
+
+def _fp8_rows(y: torch.Tensor) -> Fp8Rows:
+    """y [..., K] as [T, K] rows quantized per token, for the fp8 linear that reads them."""
+    return Fp8Rows(*quantize_fp8_per_token(y.reshape(-1, y.shape[-1])), y.dtype)
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -67,14 +71,12 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul_fp8(x: torch.Tensor) -> Fp8Rows:
     """``silu_and_mul`` whose [T, I] rows come quantized per token for the fp8 linear that reads them."""
-    y = silu_and_mul(x)
-    return Fp8Rows(*quantize_fp8_per_token(y.reshape(-1, y.shape[-1])), x.dtype)
+    return _fp8_rows(silu_and_mul(x))
 
 
 def gelu_tanh_and_mul_fp8(x: torch.Tensor) -> Fp8Rows:
     """``gelu_tanh_and_mul``, its rows quantized per token for an fp8 linear."""
-    y = gelu_tanh_and_mul(x)
-    return Fp8Rows(*quantize_fp8_per_token(y.reshape(-1, y.shape[-1])), x.dtype)
+    return _fp8_rows(gelu_tanh_and_mul(x))
 
 
 def rotary_embedding(
