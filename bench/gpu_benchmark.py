@@ -186,7 +186,7 @@ def ratio(ours: float, theirs: float | None) -> float | None:
 
 def start_ours(path: Path, args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """(config, runtime, loop) of our engine on ``path`` in bf16, with the benchmark's settings
-    (``args``: no_graphs, batch_tokens, reserve_gb)."""
+    (``args``: no_graphs, batch_tokens, reserve_gb, quantization_mode)."""
     from mii_server import gc_heap
     from mii_server.config import ModelConfig
     from mii_server.runtime import build_loop, build_runtime
@@ -194,7 +194,7 @@ def start_ours(path: Path, args: argparse.Namespace) -> tuple[Any, Any, Any]:
     config = ModelConfig(
         model_name_or_path=str(path), dtype="bfloat16", device=DEVICE, cuda_graphs=not args.no_graphs,
         max_ragged_batch_size=args.batch_tokens, max_ragged_sequence_count=512, max_tracked_sequences=2048,
-        kv_cache={"reserve_bytes": int(args.reserve_gb * 1e9)},
+        kv_cache={"reserve_bytes": int(args.reserve_gb * 1e9)}, quantization_mode=args.quantization_mode,
     )  # fmt: skip
     runtime = build_runtime(config)
     loop = build_loop(config, runtime)
@@ -279,25 +279,28 @@ def run_ours(path: Path, args: argparse.Namespace, hf: dict[str, float]) -> None
         loop.overlap = True
 
     if args.profile:
-        profile(loop, rng)
+        profile(loop, rng, args.profile_cases)
 
 
-def profile(loop: Any, rng: torch.Generator) -> None:
+PROFILE_CASES = {
+    "batch1": ([512], [65]),
+    "batch256_512in_32out": ([512] * 256, [32] * 256),
+    # minus the case above: 64 decode-only steps at batch 256, context ~550-610
+    "batch256_512in_96out": ([512] * 256, [96] * 256),
+}
+
+
+def profile(loop: Any, rng: torch.Generator, names: list[str]) -> None:
     """torch.profiler over (a) batch-1 decode and (b) 256-wide decode with prefill, at two output
     lengths (their difference is decode alone): kernel time by name, and GPU-busy time against wall
     time (the difference is host overhead between kernels)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    cases = {
-        "profile_batch1_decode": ([512], [65]),
-        "profile_batch256_512in_32out": ([512] * 256, [32] * 256),
-        # minus the case above: 64 decode-only steps at batch 256, context ~550-610
-        "profile_batch256_512in_96out": ([512] * 256, [96] * 256),
-    }
-    for name, (plens, olens) in cases.items():
+    for case in names:
+        name, (plens, olens) = f"profile_{case}", PROFILE_CASES[case]
         prompts = random_prompts(rng, plens)
-        if name == "profile_batch1_decode":
+        if case == "batch1":
             drive(loop, prompts, olens)  # same shapes once before the profiled run
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             seconds, _, _ = drive(loop, prompts, olens)
@@ -308,7 +311,7 @@ def profile(loop: Any, rng: torch.Generator) -> None:
 
         # kernels and copies only: CPU-side ops (aten::mm, ...) carry their kernels' time again
         busy = sum(device_us(e) for e in rows if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
-        top = sorted(rows, key=device_us, reverse=True)[:24]
+        top = sorted(rows, key=device_us, reverse=True)[:32]
         report(name, wall_s=seconds, gpu_busy_s=busy, gpu_busy_frac=busy / seconds,
                top_kernels=[(e.key[:60], round(device_us(e) / 1e3, 2), e.count) for e in top])  # fmt: skip
 
@@ -325,6 +328,13 @@ def main() -> None:
     )
     parser.add_argument(
         "--profile", action="store_true", help="torch.profiler breakdowns after the scenarios"
+    )
+    parser.add_argument(
+        "--profile-cases", nargs="+", choices=list(PROFILE_CASES), default=list(PROFILE_CASES),
+        help="which --profile cases to run",
+    )  # fmt: skip
+    parser.add_argument(
+        "--quantization-mode", choices=["fp8", "int8", "wf6af16"], help="our engine's quantization_mode"
     )
     parser.add_argument(
         "--compare-sync",
