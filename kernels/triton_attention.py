@@ -32,7 +32,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .counters import zeroed_counters
 from .metadata import AttentionMetadata
+from .pdl import pdl_launch, pdl_prologue
 from .triton_pointwise import _tanh
 
 _LOG2E = 1.4426950408889634
@@ -214,10 +216,11 @@ def _decode_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, M_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     DOT_PREC: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
-    MERGE_IN_KERNEL: tl.constexpr, G_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    MERGE_IN_KERNEL: tl.constexpr, G_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """MERGE_IN_KERNEL: the last split of a (sequence, KV head) to finish merges the partial states
     of all its splits (counted in ``arrivals_ptr``, which it resets to 0), instead of a reduce launch."""
+    pdl_prologue(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -315,7 +318,9 @@ def _decode_reduce_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr, cu_q_lens_ptr, context_lens_ptr, stride_ot, stride_oh, window,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SLIDING: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_idx = tl.load(cu_q_lens_ptr + seq)
@@ -363,23 +368,10 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, bl
 
 # fp32 elements of one group's partial accumulators [group, splits, D] the finishing program loads at once
 MERGE_IN_KERNEL_MAX_ELEMENTS = 4 * 32 * 128
-_ARRIVAL_COUNTERS = 1 << 16  # (sequence, KV head) pairs one launch can count; beyond, a reduce launch
-_arrivals: dict[torch.device, torch.Tensor] = {}
-
-
 def split_arrivals(device: torch.device, pairs: int) -> torch.Tensor | None:
-    """The device's zeroed split-arrival counters, or None where they cannot serve (too many pairs, or
-    first needed inside a CUDA graph capture, where a new buffer would belong to the graph's pool).
-
-    One buffer per device, allocated once and never freed (captured graphs keep its address). Each
-    launch returns the counters it used to 0; launches on one device must not overlap, as the engine's
-    single compute stream guarantees.
-    """
-    if device not in _arrivals:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        _arrivals[device] = torch.zeros(_ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
-    return _arrivals[device] if pairs <= _ARRIVAL_COUNTERS else None
+    """The device's zeroed split-arrival counters, one per (sequence, KV head) pair, or None where
+    they cannot serve (see ``counters.zeroed_counters``); each launch returns them to 0."""
+    return zeroed_counters(device, "decode split arrivals", pairs)
 
 
 def _softcap_args(scale: float, logit_softcap: float) -> tuple[float, float]:
@@ -445,7 +437,7 @@ def paged_decode_attention(
         HEAD_DIM=head_dim, D_PAD=d_pad, DOT_PREC=_dot_precision(q.dtype),
         SLIDING=bool(sliding_window), SOFTCAP=bool(logit_softcap),
         MERGE_IN_KERNEL=arrivals is not None, G_PAD=g_pad, SPLITS_PAD=splits_pad,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(q.device),
     )  # fmt: skip
     if num_splits > 1 and arrivals is None:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -453,7 +445,7 @@ def paged_decode_attention(
             sliding_window,
             NUM_HEADS=num_heads, NUM_SPLITS=num_splits, SPLITS_PAD=splits_pad,
             BLOCK_N=block_n, HEAD_DIM=head_dim, D_PAD=d_pad, SLIDING=bool(sliding_window),
-            num_warps=4 if d_pad >= 128 else 1,
+            num_warps=4 if d_pad >= 128 else 1, **pdl_launch(q.device),
         )  # fmt: skip
     return out
 

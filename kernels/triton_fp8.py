@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_launch, pdl_prologue
 from .reference_quant import FP8_MAX, FP8_SCALE_FLOOR, Fp8Rows
 from .triton_attention import _num_sms
 from .triton_quant import gemm_tile, store_gemm_tile
@@ -32,8 +33,9 @@ FP8_MMA_K = 32  # the K of one Hopper fp8 wgmma: accumulation is promoted to fp3
 @triton.jit
 def _quantize_per_token_kernel(
     x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q,
-    FLOOR: tl.constexpr, MAX: tl.constexpr, BLOCK: tl.constexpr,
+    FLOOR: tl.constexpr, MAX: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -61,7 +63,7 @@ def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
         block = min(triton.next_power_of_2(k), 4096)
         _quantize_per_token_kernel[(m,)](
             x, q, scale, k, x.stride(0), q.stride(0), FLOOR=FP8_SCALE_FLOOR, MAX=FP8_MAX, BLOCK=block,
-            num_warps=min(8, max(1, block // 512)),
+            num_warps=min(8, max(1, block // 512)), **pdl_launch(x.device),
         )  # fmt: skip
     return q, scale
 
@@ -73,7 +75,9 @@ def _fp8_gemm_kernel(
     M, N, K, stride_qm, stride_wn, stride_ws, stride_om,
     GROUP_K: tl.constexpr, PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROMOTE_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     rm, rn, m_ok, n_ok = gemm_tile(M, N, BLOCK_M, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -137,6 +141,7 @@ def fp8_gemm_triton(
         m, n, k, q.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
         GROUP_K=group_k, PER_GROUP=groups > 1, HAS_BIAS=bias is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PROMOTE_K=min(bk, FP8_MMA_K), num_warps=warps, num_stages=stages,
+        **pdl_launch(q.device),
     )  # fmt: skip
     return out
 

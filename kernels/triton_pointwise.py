@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .counters import zeroed_counters
+from .pdl import pdl_launch, pdl_prologue
 from .reference_quant import FP8_DTYPE, FP8_MAX, FP8_SCALE_FLOOR, Fp8Rows
 
 
@@ -35,7 +37,9 @@ def _rms_norm_kernel(
     FP8_FLOOR: tl.constexpr,
     FP8_LIMIT: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < hidden
@@ -99,7 +103,7 @@ def _rms_norm(
             hidden, eps,
             HAS_RESIDUAL=residual is not None, QUANTIZE=quantize, FP8_FLOOR=FP8_SCALE_FLOOR, FP8_LIMIT=FP8_MAX,
             BLOCK=block,
-            num_warps=min(16, max(1, block // 512)),
+            num_warps=min(16, max(1, block // 512)), **pdl_launch(x.device),
         )  # fmt: skip
     return out, scale, stream
 
@@ -126,7 +130,10 @@ def _act_and_mul_tile(x_ptr, cols, ok, inter, GELU_TANH: tl.constexpr):
 
 
 @triton.jit
-def _act_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, GELU_TANH: tl.constexpr, BLOCK: tl.constexpr):
+def _act_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, stride_out, inter, GELU_TANH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
@@ -137,9 +144,10 @@ def _act_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, GELU_TANH: 
 @triton.jit
 def _act_and_mul_fp8_kernel(
     x_ptr, out_ptr, scale_ptr, stride_x, stride_out, inter,
-    GELU_TANH: tl.constexpr, FLOOR: tl.constexpr, MAX: tl.constexpr, BLOCK: tl.constexpr,
+    GELU_TANH: tl.constexpr, FLOOR: tl.constexpr, MAX: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """A program per row: the row's absmax over act(gate) * up, then the product again, quantized."""
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -157,6 +165,46 @@ def _act_and_mul_fp8_kernel(
         tl.store(out_ptr + row * stride_out + cols, q.to(tl.float8e4nv), mask=ok)
 
 
+@triton.jit
+def _act_and_mul_fp8_spread_kernel(
+    x_ptr, y_ptr, out_ptr, scale_ptr, amax_ptr, arrivals_ptr, stride_x, stride_y, stride_out, inter,
+    GELU_TANH: tl.constexpr, FLOOR: tl.constexpr, MAX: tl.constexpr, BLOCK: tl.constexpr,
+    TAIL_BLOCK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """A program per (row, BLOCK columns), for few rows: each writes its columns' act(gate) * up to
+    the 16-bit scratch row ``y`` and raises the row's absmax (``amax_ptr``, int32 holding the float's
+    bits, which order as the values do for values >= 0); the last of the row's programs to arrive
+    (``arrivals_ptr``) quantizes the whole row, TAIL_BLOCK columns a step (the whole row in one
+    for Llama-sized MLPs: a step waits on one round trip to L2), then returns both to 0."""
+    pdl_prologue(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < inter
+    y = _act_and_mul_tile(x_ptr + row * stride_x, cols, ok, inter, GELU_TANH)
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=ok)
+    tl.atomic_max(amax_ptr + row, tl.max(tl.abs(y), 0).to(tl.int32, bitcast=True))
+    tl.debug_barrier()  # every thread's stores come before this program's arrival
+    if tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel") == tl.num_programs(1) - 1:
+        amax = tl.atomic_xchg(amax_ptr + row, 0).to(tl.float32, bitcast=True)
+        tl.store(arrivals_ptr + row, 0)  # why: the next launch (or CUDA graph replay) counts from 0 again
+        scale = tl.maximum(amax, FLOOR) / MAX
+        tl.store(scale_ptr + row, scale)
+        for c0 in range(0, inter, TAIL_BLOCK):
+            span = c0 + tl.arange(0, TAIL_BLOCK)
+            span_ok = span < inter
+            # why .cg: other SMs wrote these columns; read them past L1
+            row_y = tl.load(y_ptr + row * stride_y + span, mask=span_ok, other=0.0, cache_modifier=".cg")
+            q = tl.clamp(tl.math.div_rn(row_y.to(tl.float32), scale), -MAX, MAX)
+            tl.store(out_ptr + row * stride_out + span, q.to(tl.float8e4nv), mask=span_ok)
+
+
+# act_and_mul_fp8's spread regime: rows few enough that a program per row would leave most SMs idle
+# (a decode step at small batch); its row scratch is rows x inter 16-bit values
+ACT_SPREAD_MAX_ROWS = 16
+ACT_SPREAD_BLOCK = 1024
+ACT_SPREAD_MAX_TAIL = 16384  # columns the finishing program quantizes a step (64 per thread at 8 warps)
+
+
 def _act_and_mul(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     inter = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * inter)
@@ -164,7 +212,9 @@ def _act_and_mul(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     if x2.shape[0] > 0 and inter > 0:
         block = min(1024, triton.next_power_of_2(inter))
         grid = (x2.shape[0], triton.cdiv(inter, block))
-        _act_and_mul_kernel[grid](x2, out, x2.stride(0), out.stride(0), inter, GELU_TANH=gelu_tanh, BLOCK=block)
+        _act_and_mul_kernel[grid](
+            x2, out, x2.stride(0), out.stride(0), inter, GELU_TANH=gelu_tanh, BLOCK=block, **pdl_launch(x.device)
+        )
     return out.view(*x.shape[:-1], inter)
 
 
@@ -173,13 +223,26 @@ def _act_and_mul_fp8(x: torch.Tensor, gelu_tanh: bool) -> Fp8Rows:
     x2 = x.reshape(-1, 2 * inter)
     out = torch.empty((x2.shape[0], inter), dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
-    if x2.shape[0] > 0 and inter > 0:
-        block = min(4096, triton.next_power_of_2(inter))
-        _act_and_mul_fp8_kernel[(x2.shape[0],)](
-            x2, out, scale, x2.stride(0), out.stride(0), inter,
-            GELU_TANH=gelu_tanh, FLOOR=FP8_SCALE_FLOOR, MAX=FP8_MAX, BLOCK=block,
-            num_warps=min(8, max(1, block // 512)),
-        )  # fmt: skip
+    rows = x2.shape[0]
+    if rows == 0 or inter == 0:
+        return Fp8Rows(out, scale, x.dtype)
+    consts = {"GELU_TANH": gelu_tanh, "FLOOR": FP8_SCALE_FLOOR, "MAX": FP8_MAX, **pdl_launch(x.device)}
+    if rows <= ACT_SPREAD_MAX_ROWS:
+        amax = zeroed_counters(x.device, "act_and_mul_fp8 absmax", rows)
+        arrivals = zeroed_counters(x.device, "act_and_mul_fp8 arrivals", rows)
+        if amax is not None and arrivals is not None:
+            y = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
+            _act_and_mul_fp8_spread_kernel[(rows, triton.cdiv(inter, ACT_SPREAD_BLOCK))](
+                x2, y, out, scale, amax, arrivals, x2.stride(0), y.stride(0), out.stride(0), inter,
+                BLOCK=ACT_SPREAD_BLOCK, TAIL_BLOCK=min(triton.next_power_of_2(inter), ACT_SPREAD_MAX_TAIL),
+                num_warps=8, **consts,
+            )  # fmt: skip
+            return Fp8Rows(out, scale, x.dtype)
+    block = min(4096, triton.next_power_of_2(inter))
+    _act_and_mul_fp8_kernel[(rows,)](
+        x2, out, scale, x2.stride(0), out.stride(0), inter, BLOCK=block, num_warps=min(8, max(1, block // 512)),
+        **consts,
+    )  # fmt: skip
     return Fp8Rows(out, scale, x.dtype)
 
 
@@ -244,7 +307,9 @@ def _rotary_kv_append_kernel(
     num_q_heads, num_kv_heads, head_dim,
     BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, TAIL: tl.constexpr,
     TAIL_PAD: tl.constexpr, QH_PAD: tl.constexpr, KH_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     cols = tl.arange(0, HALF_PAD)
@@ -306,6 +371,7 @@ def rotary_kv_append(
         QH_PAD=triton.next_power_of_2(num_q_heads),
         KH_PAD=triton.next_power_of_2(num_kv_heads),
         D_PAD=triton.next_power_of_2(head_dim),
+        **pdl_launch(q.device),
     )  # fmt: skip
     return q_out
 
@@ -316,8 +382,9 @@ def _kv_append_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     num_kv_heads, head_dim,
-    BLOCK_SIZE: tl.constexpr, KH_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, KH_PAD: tl.constexpr, D_PAD: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     if slot < 0:  # a padding token
@@ -355,5 +422,5 @@ def kv_append(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         num_kv_heads, head_dim,
         BLOCK_SIZE=k_cache.shape[1], KH_PAD=triton.next_power_of_2(num_kv_heads),
-        D_PAD=triton.next_power_of_2(head_dim),
+        D_PAD=triton.next_power_of_2(head_dim), **pdl_launch(k.device),
     )  # fmt: skip

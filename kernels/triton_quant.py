@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .fp6_format import FP6_FP16_FACTOR
+from .pdl import pdl_launch, pdl_prologue
 from .reference_quant import dequantize_weight
 from .triton_attention import _dot_precision, _num_sms
 
@@ -61,8 +62,9 @@ def _weight_only_gemm_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, scale_factor,
     FP6: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     rm, rn, m_ok, n_ok = gemm_tile(M, N, BLOCK_M, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -137,7 +139,7 @@ def weight_only_linear(
         x, weight, scale if scale is not None else x, bias if bias is not None else x, out,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), FP6_FP16_FACTOR if fp6 else 1.0,
         FP6=fp6, SCALED=scale is not None, HAS_BIAS=bias is not None, DOT_PREC=_dot_precision(x.dtype),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **pdl_launch(x.device),
     )  # fmt: skip
     return out
 

@@ -205,16 +205,25 @@ def test_rms_norm_fp8_is_the_norm_then_the_per_token_quantizer(dtype: torch.dtyp
 @pytest.mark.skipif(ON_GPU and not FP8_DEVICE, reason="no fp8 tensor cores")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", ["silu_and_mul", "gelu_tanh_and_mul"])
-def test_act_and_mul_fp8_is_the_activation_then_the_per_token_quantizer(dtype: torch.dtype, op: str) -> None:
-    """One launch: the gated activation's rows (two column chunks, the last one partial), quantized as
-    ``quantize_fp8_per_token`` quantizes them; the reference twin is the same composition."""
-    from mii_server.kernels import reference, triton_pointwise
+@pytest.mark.parametrize("count", [1, 7, 17])
+def test_act_and_mul_fp8_is_the_activation_then_the_per_token_quantizer(
+    dtype: torch.dtype, op: str, count: int
+) -> None:
+    """One launch: the gated activation's rows (column chunks, the last one partial), quantized as
+    ``quantize_fp8_per_token`` quantizes them, both by a program per row (17 rows) and, for few
+    rows, by programs per column chunk whose last to finish quantizes the row and leaves the shared
+    counters at 0; the reference twin is the same composition."""
+    from mii_server.kernels import counters, reference, triton_pointwise
 
     inter = 14336 if ON_GPU else 5000
-    x = (torch.randn(7, 2 * inter, device=DEVICE) * 3).to(dtype)
-    rows = getattr(triton_pointwise, f"{op}_fp8")(x)
+    x = (torch.randn(count, 2 * inter, device=DEVICE) * 3).to(dtype)
+    for _ in range(2):  # the second launch counts on what the first left
+        rows = getattr(triton_pointwise, f"{op}_fp8")(x)
+    for purpose in ("absmax", "arrivals"):
+        left = counters.zeroed_counters(DEVICE, f"act_and_mul_fp8 {purpose}", 1)
+        assert left is not None and not left.any()
     want_q, want_scale = reference_quant.quantize_fp8_per_token(getattr(triton_pointwise, op)(x))
-    assert rows.dtype == dtype and rows.values.dtype == torch.float8_e4m3fn and rows.shape == (7, inter)
+    assert rows.dtype == dtype and rows.values.dtype == torch.float8_e4m3fn and rows.shape == (count, inter)
     torch.testing.assert_close(rows.scale, want_scale, atol=0, rtol=0)
     if FP8_DEVICE:  # the interpreter's fp32 -> fp8 rounding differs where rounding carries
         assert torch.equal(rows.values.view(torch.uint8), want_q.view(torch.uint8))
