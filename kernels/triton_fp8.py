@@ -23,6 +23,7 @@ import triton.language as tl
 from .pdl import pdl_launch, pdl_prologue
 from .reference_quant import FP8_MAX, FP8_SCALE_FLOOR, Fp8Rows
 from .triton_attention import _num_sms
+from .triton_pointwise import to_fp8
 from .triton_quant import gemm_tile, store_gemm_tile
 
 FP8_GEMMS = ("auto", "triton", "scaled_mm")
@@ -47,10 +48,7 @@ def _quantize_per_token_kernel(
     for k0 in range(0, K, BLOCK):
         ok = k0 + cols < K
         x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=ok, other=0.0).to(tl.float32)
-        # why div_rn: the reference divides in IEEE fp32; an approximate division would move values
-        # across fp8 rounding boundaries
-        q = tl.clamp(tl.math.div_rn(x, scale), -MAX, MAX)
-        tl.store(q_ptr + row * stride_q + k0 + cols, q.to(tl.float8e4nv), mask=ok)
+        tl.store(q_ptr + row * stride_q + k0 + cols, to_fp8(x, scale, MAX), mask=ok)
 
 
 def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

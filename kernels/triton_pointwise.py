@@ -19,6 +19,15 @@ from .reference_quant import FP8_DTYPE, FP8_MAX, FP8_SCALE_FLOOR, Fp8Rows
 
 
 @triton.jit
+def to_fp8(y, scale, MAX: tl.constexpr):
+    """fp32 values divided by their row's scale, clamped to +-MAX and rounded to fp8 e4m3.
+
+    why div_rn: the reference divides in IEEE fp32; an approximate division would move values across
+    fp8 rounding boundaries."""
+    return tl.clamp(tl.math.div_rn(y, scale), -MAX, MAX).to(tl.float8e4nv)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,
     res_ptr,
@@ -58,9 +67,7 @@ def _rms_norm_kernel(
         y = normed.to(dtype).to(tl.float32)
         scale = tl.maximum(tl.max(tl.abs(y), axis=0), FP8_FLOOR) / FP8_LIMIT
         tl.store(scale_ptr + row, scale)
-        # why div_rn: as in triton_fp8's quantizer, the reference divides in IEEE fp32
-        q = tl.clamp(tl.math.div_rn(y, scale), -FP8_LIMIT, FP8_LIMIT)
-        tl.store(out_ptr + row * stride_out + cols, q.to(tl.float8e4nv), mask=ok)
+        tl.store(out_ptr + row * stride_out + cols, to_fp8(y, scale, FP8_LIMIT), mask=ok)
     else:
         tl.store(out_ptr + row * stride_out + cols, normed.to(dtype), mask=ok)
 
@@ -160,9 +167,7 @@ def _act_and_mul_fp8_kernel(
         cols = c0 + tl.arange(0, BLOCK)
         ok = cols < inter
         y = _act_and_mul_tile(x_row, cols, ok, inter, GELU_TANH)
-        # why div_rn: as in triton_fp8's quantizer, the reference divides in IEEE fp32
-        q = tl.clamp(tl.math.div_rn(y, scale), -MAX, MAX)
-        tl.store(out_ptr + row * stride_out + cols, q.to(tl.float8e4nv), mask=ok)
+        tl.store(out_ptr + row * stride_out + cols, to_fp8(y, scale, MAX), mask=ok)
 
 
 @triton.jit
@@ -194,8 +199,7 @@ def _act_and_mul_fp8_spread_kernel(
             span_ok = span < inter
             # why .cg: other SMs wrote these columns; read them past L1
             row_y = tl.load(y_ptr + row * stride_y + span, mask=span_ok, other=0.0, cache_modifier=".cg")
-            q = tl.clamp(tl.math.div_rn(row_y.to(tl.float32), scale), -MAX, MAX)
-            tl.store(out_ptr + row * stride_out + span, q.to(tl.float8e4nv), mask=span_ok)
+            tl.store(out_ptr + row * stride_out + span, to_fp8(row_y.to(tl.float32), scale, MAX), mask=span_ok)
 
 
 # act_and_mul_fp8's spread regime: rows few enough that a program per row would leave most SMs idle
