@@ -8,6 +8,8 @@
 - ``--gemm``: the same linears at decode's few rows, cuBLAS against our Triton GEMMs on bf16 (where
   ``dense_linear`` takes them), int8 and fp8 weights, each against its weight-read floor;
   ``--sweep gemm`` times every tile shape of the Triton GEMMs instead of their defaults.
+- ``--argmax``: the sampler's greedy argmax over a 128,256-entry vocabulary at 1-256 rows, torch's
+  against ours (``triton_argmax``), each checked against the other first.
 - ``--blas``: Llama-3-8B's linear layers at 1, 256 and 8192 rows through cuBLAS and cuBLASLt, against
   the larger of their weight-read and compute floors.
 
@@ -27,7 +29,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from mii_server.kernels import reference, triton_attention, triton_fp8, triton_quant
+from mii_server.kernels import reference, triton_argmax, triton_attention, triton_fp8, triton_quant
 from mii_server.kernels.metadata import AttentionMetadata
 
 HBM_BYTES_PER_S = 4.24e12  # measured device-to-device copy rate on the H200
@@ -338,6 +340,23 @@ def bench_decode_gemms(rows_list: tuple[int, ...], sweep: bool) -> list[dict]:
     return out
 
 
+def bench_argmax(vocab: int = 128256) -> list[dict]:
+    """torch's row-wise argmax against ``triton_argmax.argmax_rows`` on float32 logits: launched as the
+    sampler launches them (``do_bench``) and on the device alone (replayed in a CUDA graph)."""
+    out = []
+    for rows in (1, 2, 4, 8, 16, 64, 256):
+        logits = torch.randn(rows, vocab, device="cuda")
+        assert torch.equal(triton_argmax.argmax_rows(logits), logits.argmax(dim=-1))
+        fns = {"torch": functools.partial(torch.argmax, logits, dim=-1),
+               "ours": functools.partial(triton_argmax.argmax_rows, logits)}  # fmt: skip
+        eager = {name: do_bench(fn) * 1e3 for name, fn in fns.items()}
+        graph = {name: triton.testing.do_bench_cudagraph(fn) * 1e3 for name, fn in fns.items()}
+        out.append(_report(f"argmax_r{rows}", graph["ours"] / 1e3, torch_us=eager["torch"], ours_us=eager["ours"],
+                           torch_graph_us=graph["torch"], ours_graph_us=graph["ours"],
+                           floor_us=logits.numel() * 4 / HBM_BYTES_PER_S * 1e6))  # fmt: skip
+    return out
+
+
 def _weight_only(x, scale, weight, tiles):
     return triton_quant.weight_only_linear(x, weight, scale, None, False, tiles)
 
@@ -365,6 +384,7 @@ def main() -> None:
         "--gemm", action="store_true", help="the linears at decode's few rows: cuBLAS against our GEMMs"
     )
     parser.add_argument("--gemm-rows", type=int, nargs="+", default=[1, 16], help="rows of --gemm / --sweep gemm")
+    parser.add_argument("--argmax", action="store_true", help="also time the sampler's argmax, torch against ours")
     parser.add_argument("--no-attention", action="store_true", help="skip the attention benchmarks")
     parser.add_argument("--json", help="write all rows to this file")
     args = parser.parse_args()
@@ -377,6 +397,8 @@ def main() -> None:
         sweep = set() if args.sweep is None else set(args.sweep or ("decode", "prefill", "gemm"))
         rows += bench_decode("decode" in sweep, block_size)
         rows += bench_prefill("prefill" in sweep, block_size)
+    if args.argmax:
+        rows += bench_argmax()
     if args.blas:
         rows += bench_blas_libraries()
     gemm_sweep = args.sweep is not None and "gemm" in (args.sweep or ("gemm",))

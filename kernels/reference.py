@@ -52,6 +52,11 @@ def _fp8_rows(y: torch.Tensor) -> Fp8Rows:
     return Fp8Rows(*quantize_fp8_per_token(y.reshape(-1, y.shape[-1])), y.dtype)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x: [S, V] float -> int64 [S], the first column of each row's maximum (NaN above every number)."""
+    return x.argmax(dim=-1)
+
+
 def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, K] @ weight [N, K]^T -> [T, N] in x's dtype (an unquantized linear without bias)."""
     return F.linear(x, weight)

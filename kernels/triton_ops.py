@@ -5,12 +5,14 @@
 KV append), ``triton_attention`` (ragged paged attention: a split-K decode kernel and a ragged prefill
 kernel behind one dispatch, with sliding windows and logit soft-capping), ``triton_moe`` (the fused
 mixture-of-experts router and MLP: tokens sorted by expert, one grouped GEMM per projection),
-``triton_quant`` (int8 and FP6 weight-only GEMMs, and the few-row dense GEMM) and ``triton_fp8``
-(fp8 activation quantization and GEMMs).
+``triton_quant`` (int8 and FP6 weight-only GEMMs, and the few-row dense GEMM), ``triton_fp8``
+(fp8 activation quantization and GEMMs) and ``triton_argmax`` (the sampler's row-wise argmax, spread
+over the GPU).
 """
 
 from __future__ import annotations
 
+from .triton_argmax import argmax_rows
 from .triton_attention import paged_attention
 from .triton_fp8 import fp8_linear, quantize_fp8_per_token
 from .triton_moe import fused_moe, moe_route
@@ -27,6 +29,7 @@ from .triton_pointwise import (
 from .triton_quant import dense_linear, fp6_linear, int8_linear
 
 __all__ = [
+    "argmax_rows",
     "dense_linear",
     "fp6_linear",
     "fp8_linear",

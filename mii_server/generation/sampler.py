@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..kernels import get_ops
 from .logprobs import Logprobs, logprobs_of
 
 if TYPE_CHECKING:
@@ -139,7 +140,8 @@ def _sample(
     if banned:
         at_rows, at_ids = zip(*banned)
         logits[_index(at_rows, device), _index(at_ids, device)] = float("-inf")
-    chosen = logits.argmax(dim=-1)  # [S]: right for greedy rows, overwritten for sampled ones
+    argmax_rows = get_ops(device).argmax_rows
+    chosen = argmax_rows(logits)  # [S]: right for greedy rows, overwritten for sampled ones
     sampled = [i for i, row in enumerate(rows) if not row.greedy]
     if sampled:
         index = _index(sampled, device)
@@ -157,7 +159,7 @@ def _sample(
         race = torch.empty_like(probs)
         for j, i in enumerate(sampled):
             race[j].exponential_(generator=rows[i].generator)
-        chosen.index_copy_(0, index, (probs / race).argmax(dim=-1))
+        chosen.index_copy_(0, index, argmax_rows(probs / race))
     if raw is not None:
         at_rows = _index(out.logprob_rows, device)
         k = max(rows[i].logprobs or 0 for i in out.logprob_rows)
