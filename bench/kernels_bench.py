@@ -8,6 +8,8 @@
 - ``--gemm``: the same linears at decode's few rows, cuBLAS against our Triton GEMMs on bf16 (where
   ``dense_linear`` takes them), int8 and fp8 weights, each against its weight-read floor;
   ``--sweep gemm`` times every tile shape of the Triton GEMMs instead of their defaults.
+- ``--fused``: gate_up with its activation in one launch (``triton_fused_linear``) against cuBLAS then
+  the activation kernel; ``--sweep fused`` also times every tile shape of the gated GEMM.
 - ``--argmax``: the sampler's greedy argmax over a 128,256-entry vocabulary at 1-256 rows, torch's
   against ours (``triton_argmax``), each checked against the other first.
 - ``--blas``: Llama-3-8B's linear layers at 1, 256 and 8192 rows through cuBLAS and cuBLASLt, against
@@ -29,7 +31,15 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from mii_server.kernels import reference, triton_argmax, triton_attention, triton_fp8, triton_quant
+from mii_server.kernels import (
+    reference,
+    triton_argmax,
+    triton_attention,
+    triton_fp8,
+    triton_fused_linear,
+    triton_pointwise,
+    triton_quant,
+)
 from mii_server.kernels.metadata import AttentionMetadata
 
 HBM_BYTES_PER_S = 4.24e12  # measured device-to-device copy rate on the H200
@@ -340,6 +350,47 @@ def bench_decode_gemms(rows_list: tuple[int, ...], sweep: bool) -> list[dict]:
     return out
 
 
+GATED_TILES = [(16, bn, bk, 4, stages) for bn in (16, 32, 64) for bk in (128, 256, 512) for stages in (3, 4)]
+
+
+def _each_weight_us(fn, weights: list[torch.Tensor]) -> float:
+    """Microseconds per call of ``fn(weight)``, over ``weights`` replayed in a CUDA graph."""
+    return _graph_us(functools.partial(lambda fn, ws: [fn(w) for w in ws], fn, weights), len(weights))
+
+
+def _gated_unfused(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return triton_pointwise.silu_and_mul(F.linear(x, weight))
+
+
+def bench_fused_gate_up(rows_list: tuple[int, ...], sweep: bool) -> list[dict]:
+    """Llama-3-8B's gate_up with its SiLU-and-mul: the fused launch against the two launches it
+    replaces, CUDA-graph replay over 8 copies of the weight, microseconds per pair and the weight-read
+    floor; ``sweep``: every tile shape of the gated GEMM (each checked against the unfused result)."""
+    out = []
+    for m in rows_list:
+        n, k = LINEAR_SHAPES["gate_up"]
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(8)]
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        unfused_us = _each_weight_us(functools.partial(_gated_unfused, x), weights)
+        expected = _gated_unfused(x, weights[0])
+        best = None
+        for tiles in [None, *(GATED_TILES if sweep else [])]:
+            run = functools.partial(triton_fused_linear.linear_act_and_mul, x, gelu_tanh=False, tiles=tiles)
+            label = str(tiles or "default")
+            try:
+                torch.testing.assert_close(run(weights[0]), expected, atol=2e-2, rtol=2e-2)
+                us = _each_weight_us(run, weights)
+            except Exception as exc:  # noqa: BLE001 - a tile may not fit in shared memory
+                print(json.dumps({"bench": f"fused_gate_up_m{m}", "tiles": label, "error": str(exc)[:100]}))
+                continue
+            print(json.dumps({"bench": f"fused_gate_up_m{m}", "tiles": label, "us": round(us, 2)}), flush=True)
+            best = min(best or (us, label), (us, label))
+        out.append(_report(f"fused_gate_up_act_m{m}", best[0] / 1e3, unfused_us=unfused_us, fused_us=best[0],
+                           floor_us=n * k * 2 / HBM_BYTES_PER_S * 1e6, saved_us=unfused_us - best[0]))  # fmt: skip
+        print(json.dumps({"bench": f"fused_gate_up_act_m{m}_best_tiles", "tiles": best[1]}))
+    return out
+
+
 def bench_argmax(vocab: int = 128256) -> list[dict]:
     """torch's row-wise argmax against ``triton_argmax.argmax_rows`` on float32 logits: launched as the
     sampler launches them (``do_bench``) and on the device alone (replayed in a CUDA graph)."""
@@ -373,7 +424,7 @@ def _fp8(q, x_scale, scale, weight, tiles):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--sweep", nargs="*", choices=["decode", "prefill", "gemm"], default=None,
+        "--sweep", nargs="*", choices=["decode", "prefill", "gemm", "fused"], default=None,
         help="also time other tile configurations of these kernels (both when given bare)",
     )  # fmt: skip
     parser.add_argument("--block-size", type=int, nargs="+", default=[16], help="KV cache block sizes")
@@ -384,6 +435,7 @@ def main() -> None:
         "--gemm", action="store_true", help="the linears at decode's few rows: cuBLAS against our GEMMs"
     )
     parser.add_argument("--gemm-rows", type=int, nargs="+", default=[1, 16], help="rows of --gemm / --sweep gemm")
+    parser.add_argument("--fused", action="store_true", help="also time the fused gate_up and activation against the unfused")
     parser.add_argument("--argmax", action="store_true", help="also time the sampler's argmax, torch against ours")
     parser.add_argument("--no-attention", action="store_true", help="skip the attention benchmarks")
     parser.add_argument("--json", help="write all rows to this file")
@@ -397,6 +449,8 @@ def main() -> None:
         sweep = set() if args.sweep is None else set(args.sweep or ("decode", "prefill", "gemm"))
         rows += bench_decode("decode" in sweep, block_size)
         rows += bench_prefill("prefill" in sweep, block_size)
+    if args.fused:
+        rows += bench_fused_gate_up(tuple(args.gemm_rows), "fused" in (args.sweep or ()))
     if args.argmax:
         rows += bench_argmax()
     if args.blas:

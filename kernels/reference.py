@@ -18,8 +18,9 @@ from .metadata import AttentionMetadata
 from .reference_quant import Fp8Rows, fp6_linear, fp8_linear, int8_linear, quantize_fp8_per_token
 
 __all__ = [
-    "dense_linear", "fp6_linear", "fp8_linear", "gelu_tanh_and_mul", "gelu_tanh_and_mul_fp8", "int8_linear",
-    "kv_append", "paged_attention", "quantize_fp8_per_token", "rms_norm", "rms_norm_fp8", "rotary_embedding",
+    "argmax_rows", "dense_linear", "fp6_linear", "fp8_linear", "gelu_tanh_and_mul", "gelu_tanh_and_mul_fp8",
+    "int8_linear", "kv_append", "linear_gelu_tanh_and_mul", "linear_silu_and_mul",
+    "paged_attention", "quantize_fp8_per_token", "rms_norm", "rms_norm_fp8", "rotary_embedding",
     "rotary_kv_append", "silu_and_mul", "silu_and_mul_fp8",
 ]  # fmt: skip
 
@@ -82,6 +83,17 @@ def silu_and_mul_fp8(x: torch.Tensor) -> Fp8Rows:
 def gelu_tanh_and_mul_fp8(x: torch.Tensor) -> Fp8Rows:
     """``gelu_tanh_and_mul``, its rows quantized per token for an fp8 linear."""
     return _fp8_rows(gelu_tanh_and_mul(x))
+
+
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A gated MLP's gate and up projections and its activation: ``silu_and_mul(x @ weight^T)``,
+    weight [2I, K] holding the gate rows, then the up rows (one launch on the GPU for few rows)."""
+    return silu_and_mul(dense_linear(x, weight))
+
+
+def linear_gelu_tanh_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh_and_mul(x @ weight^T)``, as ``linear_silu_and_mul``."""
+    return gelu_tanh_and_mul(dense_linear(x, weight))
 
 
 def rotary_embedding(

@@ -126,6 +126,12 @@ def _act_and_mul_tile(x_ptr, cols, ok, inter, GELU_TANH: tl.constexpr):
     """act(gate) * up of one row's columns ``cols``, rounded as torch rounds it, in float32."""
     gate = tl.load(x_ptr + cols, mask=ok, other=0.0)
     up = tl.load(x_ptr + inter + cols, mask=ok, other=0.0)
+    return act_and_mul_values(gate, up, GELU_TANH)
+
+
+@triton.jit
+def act_and_mul_values(gate, up, GELU_TANH: tl.constexpr):
+    """act(gate) * up of 16-bit values, rounded as torch rounds it, in float32."""
     g = gate.to(tl.float32)
     if GELU_TANH:  # torch's gelu(approximate="tanh"): 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
         act = 0.5 * g * (1.0 + _tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
