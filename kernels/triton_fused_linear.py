@@ -5,7 +5,8 @@ microseconds of launch and ramp for a few kilobytes of work. ``linear_silu_and_m
 ``linear_gelu_tanh_and_mul`` (twins of the reference compositions, rounded where those round): a
 program owns BLOCK_N columns of the activation and multiplies x by the matching gate rows and up rows
 of the packed weight (two accumulators), so act(gate) * up is formed in registers and only the
-activation is written. Up to ``DENSE_MAX_ROWS`` rows; more rows go to cuBLAS and the activation kernel.
+activation is written. Up to ``DENSE_MAX_ROWS`` rows (``few_row_product``); more rows go to cuBLAS
+and the activation kernel.
 
 Measured on one H200, Llama-3-8B's gate_up (bench/kernels_bench.py --no-attention --fused): 55.8 us
 against 57.5 for cuBLAS and the activation at one row (the weight-read floor is 55.4), 56.1 against
@@ -23,7 +24,7 @@ import triton.language as tl
 from .pdl import pdl_launch, pdl_prologue
 from .triton_attention import _dot_precision
 from .triton_pointwise import act_and_mul_values, gelu_tanh_and_mul, silu_and_mul
-from .triton_quant import DENSE_MAX_ROWS, gemm_tile
+from .triton_quant import few_row_product, gemm_tile
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the gated product: BLOCK_N columns of gate and as many
 # of up per program; the fastest of 18 shapes at one row of Llama-3-8B's gate_up on an H200 (56.8 us
@@ -63,23 +64,12 @@ def _linear_act_and_mul_kernel(
     tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], y.to(dtype), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether x [M, K] @ weight^T is a product of decode's few rows that the fused kernels take."""
-    return (
-        x.dim() == 2
-        and 0 < x.shape[0] <= DENSE_MAX_ROWS
-        and x.stride(-1) == 1
-        and weight.stride(-1) == 1
-        and weight.dtype == x.dtype
-    )
-
-
 def linear_act_and_mul(
     x: torch.Tensor, weight: torch.Tensor, gelu_tanh: bool, tiles: tuple[int, int, int, int, int] | None = None
 ) -> torch.Tensor:
     """``linear_silu_and_mul`` or (``gelu_tanh``) ``linear_gelu_tanh_and_mul``; ``tiles`` (BLOCK_M,
     BLOCK_N, BLOCK_K, warps, stages) instead of ``GATED_TILES`` (for the tile sweep)."""
-    if not _few_rows(x, weight):
+    if not few_row_product(x, weight):
         act_and_mul = gelu_tanh_and_mul if gelu_tanh else silu_and_mul
         return act_and_mul(torch.nn.functional.linear(x, weight))
     m, k = x.shape

@@ -162,14 +162,26 @@ def fp6_linear(
 # enough that its 32-row weight slices give at most one program per SM, where cuBLAS splits K and
 # adds a reduce launch. One row on an H200 (bench/kernels_bench.py --sweep gemm): o_proj 4096 x 4096
 # 11.7 us against cuBLAS's 13.6, down 4096 x 14336 30.9 against 32.1 (at 16 rows: 11.5 / 14.0 and
-# 31.5 / 33.5, kernels_bench.py --gemm); qkv and gate_up stay in cuBLAS
+# 31.5 / 33.5, kernels_bench.py --gemm); qkv stays in cuBLAS, gate_up goes to triton_fused_linear
+# with its activation
 DENSE_MAX_ROWS = 16
 DENSE_TILES = (16, 32, 512, 4, 3)
 
 
+def few_row_product(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x [M, K] @ weight [N, K]^T is a product of decode's few rows (``DENSE_MAX_ROWS``), laid
+    out as the few-row 16-bit kernels take it (here and in ``triton_fused_linear``)."""
+    return (
+        x.dim() == 2
+        and 0 < x.shape[0] <= DENSE_MAX_ROWS
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+        and weight.dtype == x.dtype
+    )
+
+
 def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T in x's dtype: see ``reference.dense_linear``."""
-    few_rows = x.dim() == 2 and x.shape[0] <= DENSE_MAX_ROWS and x.stride(-1) == 1
-    if not few_rows or triton.cdiv(weight.shape[0], DENSE_TILES[1]) > _num_sms(x.device):
+    if not few_row_product(x, weight) or triton.cdiv(weight.shape[0], DENSE_TILES[1]) > _num_sms(x.device):
         return torch.nn.functional.linear(x, weight)
     return weight_only_linear(x, weight, None, None, False, DENSE_TILES)

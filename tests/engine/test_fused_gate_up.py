@@ -2,7 +2,7 @@
 gate_up is a plain product, and changes no output.
 
 On the CPU the fused op is by definition the product followed by the activation; the Triton kernel is
-checked against that composition in ``tests/kernels/test_triton_fused_linear.py``.
+checked against that composition in ``tests/kernels/test_triton_quant.py``.
 """
 
 from __future__ import annotations

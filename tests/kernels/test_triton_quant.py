@@ -1,5 +1,6 @@
-"""Quantized linear kernels (``triton_quant``, ``triton_fp8``) against their reference twins, and the
-FP6 e3m2 format itself.
+"""Quantized linear kernels (``triton_quant``, ``triton_fp8``) against their reference twins, the
+few-row 16-bit GEMMs (``dense_linear``, and gate_up with its activation from ``triton_fused_linear``),
+and the FP6 e3m2 format itself.
 
 On CUDA: Llama-like shapes in bf16/fp16. On the CPU: Triton's interpreter at tiny shapes, with row
 counts that reach each tile configuration (1, 16 < M <= 64, M > 64).
@@ -250,3 +251,55 @@ def test_dense_linear_is_the_plain_product(dtype: torch.dtype, rows: int, monkey
         **TOL[dtype],
     )  # fmt: skip
     assert len(launches) == (rows <= triton_quant.DENSE_MAX_ROWS)
+
+
+# (hidden, intermediate) of the fused gate_up: Llama-3-8B on the GPU; on the CPU an intermediate size
+# that leaves the last tile partial
+GATED_SHAPE = (4096, 14336) if ON_GPU else (128, 80)
+
+
+def _small_integers(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    """Values in -3..3: every product sums exactly in float32 whatever the order, so a fused kernel
+    and the ops it fuses see bit-identical products and must round them identically."""
+    return torch.randint(-3, 4, shape, device=DEVICE).to(dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["silu_and_mul", "gelu_tanh_and_mul"])
+@pytest.mark.parametrize("rows", [1, 7, 16, 17])  # 17: past DENSE_MAX_ROWS, the unfused ops
+def test_linear_act_and_mul_is_the_product_then_the_activation(dtype: torch.dtype, op: str, rows: int) -> None:
+    """One launch for few rows: gate and up rounded as the product stores them, then the activation."""
+    from mii_server.kernels import reference, triton_ops
+
+    hidden, inter = GATED_SHAPE
+    fused = getattr(triton_ops, f"linear_{op}")
+    exact_x = _small_integers(rows, hidden, dtype=dtype)
+    exact_w = _small_integers(2 * inter, hidden, dtype=dtype)
+    got = fused(exact_x, exact_w)
+    assert got.shape == (rows, inter) and got.dtype == dtype
+    assert torch.equal(got, getattr(triton_ops, op)(triton_ops.dense_linear(exact_x, exact_w)))
+
+    x = torch.randn(rows, hidden, device=DEVICE).to(dtype)
+    weight = (torch.randn(2 * inter, hidden, device=DEVICE) / hidden**0.5).to(dtype)
+    want = getattr(reference, f"linear_{op}")(x.float(), weight.float())
+    torch.testing.assert_close(fused(x, weight).float(), want, **TOL[dtype])
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_fused_gate_up_replays_in_a_cuda_graph() -> None:
+    """The decode step replays this launch in a CUDA graph: every replay gives the eager result."""
+    from mii_server.kernels import triton_ops
+
+    hidden, inter = GATED_SHAPE
+    x = torch.randn(3, hidden, device=DEVICE, dtype=torch.bfloat16)
+    weight = (torch.randn(2 * inter, hidden, device=DEVICE) / hidden**0.5).to(torch.bfloat16)
+    eager = triton_ops.linear_silu_and_mul(x, weight)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = triton_ops.linear_silu_and_mul(x, weight)
+    for _ in range(3):
+        replayed.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, eager)
