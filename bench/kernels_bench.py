@@ -2,8 +2,8 @@
 
 - decode: batch 64, context 2048, Llama-3-8B heads (32 q / 8 kv, D=128), bf16; achieved bytes/s
   (K+V read plus q and out) as a fraction of the HBM ceiling.
-- prefill: 8 sequences x 2048 new tokens, same heads; achieved causal TFLOP/s as a fraction of the
-  dense bf16 matmul rate; beside it every library kernel torch offers for the same problem
+- prefill: 8 sequences x 2048 new tokens (``--prefill-lengths``: any fresh lengths), same heads;
+  achieved causal TFLOP/s as a fraction of the dense bf16 matmul rate; beside it every library kernel torch offers for the same problem
   (FlashAttention-2 varlen, cuDNN varlen and dense, SDPA's backends), each checked first.
 - ``--gemm``: the same linears at decode's few rows, cuBLAS against our Triton GEMMs on bf16 (where
   ``dense_linear`` takes them), int8 and fp8 weights, each against its weight-read floor;
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 
@@ -132,16 +133,17 @@ def bench_decode(sweep: bool, block_size: int) -> list[dict]:
     return rows
 
 
-def bench_prefill(sweep: bool, block_size: int) -> list[dict]:
-    nseq, length, hq, hk, d = 8, 2048, 32, 8, 128
-    q, k_cache, v_cache, meta = make_batch([(length, length)] * nseq, hq, hk, d, block_size, torch.bfloat16)
+def bench_prefill(sweep: bool, block_size: int, lengths: list[int]) -> list[dict]:
+    hq, hk, d = 32, 8, 128
+    q, k_cache, v_cache, meta = make_batch([(n, n) for n in lengths], hq, hk, d, block_size, torch.bfloat16)
     scale = d**-0.5
-    flops = 4 * nseq * hq * d * length * (length + 1) / 2  # QK^T and PV over the causal triangle
+    flops = sum(4 * hq * d * n * (n + 1) / 2 for n in lengths)  # QK^T and PV over the causal triangles
     rows = []
     ref_ms, ms = time_against_reference(q, k_cache, v_cache, meta, scale)
     tf = flops / ms / 1e-3
+    label = f"{len(lengths)}x{lengths[0]}" if len(set(lengths)) == 1 else f"{len(lengths)}_seqs_{sum(lengths)}_tokens"
     rows.append(_report(
-        f"prefill_{nseq}x{length}_bs{block_size}", ms, TFLOPs=tf / 1e12, frac_bf16=tf / BF16_FLOPS,
+        f"prefill_{label}_bs{block_size}", ms, TFLOPs=tf / 1e12, frac_bf16=tf / BF16_FLOPS,
         reference_ms=ref_ms, speedup_vs_reference=ref_ms / ms,
     ))  # fmt: skip
     rows += bench_prefill_library(q, k_cache, v_cache, meta, scale, flops)
@@ -194,7 +196,11 @@ def bench_prefill_library(q, k_cache, v_cache, meta, scale, flops) -> list[dict]
       ``aten._cudnn_attention_forward`` (``cum_seq_*``), with GQA heads and with K/V repeated to all
       query heads;
     - ``sdpa_<backend>``: ``F.scaled_dot_product_attention`` on padded [S, H, L, D] tensors with one
-      backend forced (cuDNN, flash, memory-efficient), GQA through ``enable_gqa``.
+      backend forced (cuDNN, flash, memory-efficient), GQA through ``enable_gqa``; only where every
+      sequence has the same length, so the ragged batch is that layout without a copy;
+    - ``sdpa_cudnn_per_sequence``: what a dispatch of ragged fresh prompts to cuDNN would run: one
+      SDPA call per sequence on [1, H, L, D] views of the ragged tensors, each output copied into
+      place.
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -221,7 +227,19 @@ def bench_prefill_library(q, k_cache, v_cache, meta, scale, flops) -> list[dict]
 
         return run
 
+    cu = meta.cu_q_lens.tolist()
+
+    def cudnn_per_sequence():
+        out = torch.empty_like(q)
+        for a, b in itertools.pairwise(cu):
+            qs, ks, vs = (t[a:b].unsqueeze(0).transpose(1, 2) for t in (q, k, v))
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+            out[a:b].copy_(o[0].transpose(0, 1))
+        return out
+
     candidates = {
+        "sdpa_cudnn_per_sequence": cudnn_per_sequence,
         "fa2_varlen": lambda: torch.ops.aten._flash_attention_forward(
             q, k, v, meta.cu_q_lens, cu_k, max_q, max_k, 0.0, True, False, scale=scale)[0],
         "cudnn_varlen": lambda: torch.ops.aten._cudnn_attention_forward(
@@ -437,6 +455,10 @@ def main() -> None:
     parser.add_argument("--gemm-rows", type=int, nargs="+", default=[1, 16], help="rows of --gemm / --sweep gemm")
     parser.add_argument("--fused", action="store_true", help="also time the fused gate_up and activation against the unfused")
     parser.add_argument("--argmax", action="store_true", help="also time the sampler's argmax, torch against ours")
+    parser.add_argument(
+        "--prefill-lengths", type=int, nargs="+", default=[2048] * 8,
+        help="prompt lengths of the prefill case, all fresh (default: 8 x 2048)",
+    )  # fmt: skip
     parser.add_argument("--no-attention", action="store_true", help="skip the attention benchmarks")
     parser.add_argument("--json", help="write all rows to this file")
     args = parser.parse_args()
@@ -448,7 +470,7 @@ def main() -> None:
     for block_size in [] if args.no_attention else args.block_size:
         sweep = set() if args.sweep is None else set(args.sweep or ("decode", "prefill", "gemm"))
         rows += bench_decode("decode" in sweep, block_size)
-        rows += bench_prefill("prefill" in sweep, block_size)
+        rows += bench_prefill("prefill" in sweep, block_size, args.prefill_lengths)
     if args.fused:
         rows += bench_fused_gate_up(tuple(args.gemm_rows), "fused" in (args.sweep or ()))
     if args.argmax:
