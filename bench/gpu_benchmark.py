@@ -310,13 +310,18 @@ PROFILE_CASES = {
 }
 
 
+DECODE_STEPS_BETWEEN = 96 - 32  # decode-only steps the 96-token case runs beyond the 32-token one
+
+
 def profile(loop: Any, rng: torch.Generator, names: list[str]) -> None:
     """torch.profiler over (a) batch-1 decode and (b) 256-wide decode with prefill, at two output
-    lengths (their difference is decode alone): kernel time by name, and GPU-busy time against wall
-    time (the difference is host overhead between kernels)."""
+    lengths: kernel time by name, and GPU-busy time against wall time (the difference is host
+    overhead between kernels). With both 256-wide cases, their difference per step is the kernel
+    breakdown of one decode-only step at batch 256 (``profile_batch256_decode_step``)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
+    kernels: dict[str, dict[str, tuple[float, int]]] = {}  # case -> kernel -> (device ms, launches)
     for case in names:
         name, (plens, olens) = f"profile_{case}", PROFILE_CASES[case]
         prompts = random_prompts(rng, plens)
@@ -334,6 +339,18 @@ def profile(loop: Any, rng: torch.Generator, names: list[str]) -> None:
         top = sorted(rows, key=device_us, reverse=True)[:32]
         report(name, wall_s=seconds, gpu_busy_s=busy, gpu_busy_frac=busy / seconds,
                top_kernels=[(e.key[:60], round(device_us(e) / 1e3, 2), e.count) for e in top])  # fmt: skip
+        on_device = (e for e in rows if e.device_type == torch.autograd.DeviceType.CUDA)
+        kernels[case] = {e.key[:60]: (device_us(e) / 1e3, e.count) for e in on_device}
+    short, long = kernels.get("batch256_512in_32out"), kernels.get("batch256_512in_96out")
+    if short is not None and long is not None:
+        per_step = []
+        for key, (ms, count) in long.items():
+            ms_short, count_short = short.get(key, (0.0, 0))
+            per_step.append((key, round((ms - ms_short) / DECODE_STEPS_BETWEEN, 3),
+                             round((count - count_short) / DECODE_STEPS_BETWEEN, 2)))  # fmt: skip
+        per_step = sorted((r for r in per_step if abs(r[1]) >= 0.005), key=lambda r: -r[1])
+        report("profile_batch256_decode_step", ms_per_step=sum(r[1] for r in per_step),
+               kernels_ms_and_launches_per_step=per_step)  # fmt: skip
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Micro-benchmarks of the Triton paged-attention kernels against the reference, on one CUDA device.
 
-- decode: batch 64, context 2048, Llama-3-8B heads (32 q / 8 kv, D=128), bf16; achieved bytes/s
+- decode: batch 64, context 2048 (``--decode-shape``), Llama-3-8B heads (32 q / 8 kv, D=128), bf16; achieved bytes/s
   (K+V read plus q and out) as a fraction of the HBM ceiling.
 - prefill: 8 sequences x 2048 new tokens (``--prefill-lengths``: any fresh lengths), same heads;
   achieved causal TFLOP/s as a fraction of the dense bf16 matmul rate; beside it every library kernel torch offers for the same problem
@@ -96,8 +96,8 @@ def time_against_reference(q, k_cache, v_cache, meta, scale) -> tuple[float, flo
     return ref_ms, ms
 
 
-def bench_decode(sweep: bool, block_size: int) -> list[dict]:
-    batch, ctx, hq, hk, d = 64, 2048, 32, 8, 128
+def bench_decode(sweep: bool, block_size: int, batch: int, ctx: int) -> list[dict]:
+    hq, hk, d = 32, 8, 128
     q, k_cache, v_cache, meta = make_batch([(1, ctx)] * batch, hq, hk, d, block_size, torch.bfloat16)
     scale = d**-0.5
     moved = 2 * batch * ctx * hk * d * 2 + 2 * q.numel() * 2  # K+V read, q read, out written
@@ -456,6 +456,10 @@ def main() -> None:
     parser.add_argument("--fused", action="store_true", help="also time the fused gate_up and activation against the unfused")
     parser.add_argument("--argmax", action="store_true", help="also time the sampler's argmax, torch against ours")
     parser.add_argument(
+        "--decode-shape", type=int, nargs=2, default=[64, 2048], metavar=("BATCH", "CONTEXT"),
+        help="sequences and context length of the decode case (default: 64 2048)",
+    )  # fmt: skip
+    parser.add_argument(
         "--prefill-lengths", type=int, nargs="+", default=[2048] * 8,
         help="prompt lengths of the prefill case, all fresh (default: 8 x 2048)",
     )  # fmt: skip
@@ -469,7 +473,7 @@ def main() -> None:
     rows = []
     for block_size in [] if args.no_attention else args.block_size:
         sweep = set() if args.sweep is None else set(args.sweep or ("decode", "prefill", "gemm"))
-        rows += bench_decode("decode" in sweep, block_size)
+        rows += bench_decode("decode" in sweep, block_size, *args.decode_shape)
         rows += bench_prefill("prefill" in sweep, block_size, args.prefill_lengths)
     if args.fused:
         rows += bench_fused_gate_up(tuple(args.gemm_rows), "fused" in (args.sweep or ()))
