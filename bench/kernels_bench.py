@@ -1,10 +1,11 @@
 """Micro-benchmarks of the Triton paged-attention kernels against the reference, on one CUDA device.
 
-- decode: batch 64, context 2048 (``--decode-shape``), Llama-3-8B heads (32 q / 8 kv, D=128), bf16; achieved bytes/s
-  (K+V read plus q and out) as a fraction of the HBM ceiling.
+- decode: batch 64, context 2048 (``--decode-shape``), Llama-3-8B heads (32 q / 8 kv, D=128), bf16;
+  achieved bytes/s (K+V read plus q and out) as a fraction of the HBM ceiling.
 - prefill: 8 sequences x 2048 new tokens (``--prefill-lengths``: any fresh lengths), same heads;
-  achieved causal TFLOP/s as a fraction of the dense bf16 matmul rate; beside it every library kernel torch offers for the same problem
-  (FlashAttention-2 varlen, cuDNN varlen and dense, SDPA's backends), each checked first.
+  achieved causal TFLOP/s as a fraction of the dense bf16 matmul rate; beside it every library
+  kernel torch offers for the same problem (FlashAttention-2 varlen, cuDNN varlen, dense and per
+  sequence, SDPA's backends), each checked first.
 - ``--gemm``: the same linears at decode's few rows, cuBLAS against our Triton GEMMs on bf16 (where
   ``dense_linear`` takes them), int8 and fp8 weights, each against its weight-read floor;
   ``--sweep gemm`` times every tile shape of the Triton GEMMs instead of their defaults.
