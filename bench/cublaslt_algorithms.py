@@ -8,7 +8,9 @@ microseconds per product: torch's, the heuristic's first, and the best, beside t
 weight-read and compute floors.
 
 Needs a CUDA device and ``nvmath-python`` (with ``cuda-bindings``, ``cuda-core``, ``cuda-pathfinder``),
-which the server itself does not use:
+which the server itself does not use. It reuses the descriptors of a planned ``Matmul`` (its
+``handle``, ``mm_desc``, layouts and ``algorithm_object_to_buffer``), attributes of nvmath-python
+1.0.0 that are not its public API:
 
     PYTHONPATH=$PWD python3 bench/cublaslt_algorithms.py --rows 1 64 256
 """
