@@ -10,7 +10,8 @@
   ``dense_linear`` takes them), int8 and fp8 weights, each against its weight-read floor;
   ``--sweep gemm`` times every tile shape of the Triton GEMMs instead of their defaults.
 - ``--fused``: gate_up with its activation in one launch (``triton_fused_linear``) against cuBLAS then
-  the activation kernel; ``--sweep fused`` also times every tile shape of the gated GEMM.
+  the activation kernel, and q/k/v with rotary and the KV append against cuBLAS then
+  ``rotary_kv_append``; ``--sweep fused`` also times every tile shape of both fused kernels.
 - ``--argmax``: the sampler's greedy argmax over a 128,256-entry vocabulary at 1-256 rows, torch's
   against ours (``triton_argmax``), each checked against the other first.
 - ``--blas``: Llama-3-8B's linear layers at 1, 256 and 8192 rows through cuBLAS and cuBLASLt, against
@@ -377,6 +378,12 @@ def bench_decode_gemms(rows_list: tuple[int, ...], sweep: bool) -> list[dict]:
 
 
 GATED_TILES = [(16, bn, bk, 4, stages) for bn in (16, 32, 64) for bk in (128, 256, 512) for stages in (3, 4)]
+QKV_ROTARY_TILES = [
+    (16, bn, bk, warps, stages)
+    for bn in (16, 32, 64)
+    for bk in (128, 256, 512)
+    for warps, stages in ((4, 3), (4, 4), (4, 5), (8, 3))
+]
 
 
 def _each_weight_us(fn, weights: list[torch.Tensor]) -> float:
@@ -388,32 +395,67 @@ def _gated_unfused(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return triton_pointwise.silu_and_mul(F.linear(x, weight))
 
 
+def _sweep_fused(name: str, m: int, n_k: tuple[int, int], unfused, fused, tiles_list: list) -> dict:
+    """``fused(x, weight, tiles)`` with its default tiles and each of ``tiles_list`` against
+    ``unfused(x, weight)`` (each checked against it first), CUDA-graph replay over 8 weight copies."""
+    n, k = n_k
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(8)]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    unfused_us = _each_weight_us(functools.partial(unfused, x), weights)
+    expected = unfused(x, weights[0])
+    best = None
+    for tiles in [None, *tiles_list]:
+        run = functools.partial(fused, x, tiles=tiles)
+        label = str(tiles or "default")
+        try:
+            torch.testing.assert_close(run(weights[0]), expected, atol=2e-2, rtol=2e-2)
+            us = _each_weight_us(run, weights)
+        except Exception as exc:  # noqa: BLE001 - a tile may not fit in shared memory
+            print(json.dumps({"bench": f"{name}_m{m}", "tiles": label, "error": str(exc)[:100]}))
+            continue
+        print(json.dumps({"bench": f"{name}_m{m}", "tiles": label, "us": round(us, 2)}), flush=True)
+        best = min(best or (us, label), (us, label))
+    print(json.dumps({"bench": f"{name}_m{m}_best_tiles", "tiles": best[1]}))
+    return _report(f"{name}_m{m}", best[0] / 1e3, unfused_us=unfused_us, fused_us=best[0],
+                   floor_us=n * k * 2 / HBM_BYTES_PER_S * 1e6, saved_us=unfused_us - best[0])  # fmt: skip
+
+
 def bench_fused_gate_up(rows_list: tuple[int, ...], sweep: bool) -> list[dict]:
     """Llama-3-8B's gate_up with its SiLU-and-mul: the fused launch against the two launches it
-    replaces, CUDA-graph replay over 8 copies of the weight, microseconds per pair and the weight-read
-    floor; ``sweep``: every tile shape of the gated GEMM (each checked against the unfused result)."""
+    replaces (cuBLAS, then the activation kernel), microseconds per pair and the weight-read floor;
+    ``sweep``: every tile shape of the gated GEMM."""
+    def fused(x, weight, tiles):
+        return triton_fused_linear.linear_act_and_mul(x, weight, gelu_tanh=False, tiles=tiles)
+
+    tiles = GATED_TILES if sweep else []
+    return [_sweep_fused("fused_gate_up_act", m, LINEAR_SHAPES["gate_up"], _gated_unfused, fused, tiles)
+            for m in rows_list]  # fmt: skip
+
+
+def bench_fused_qkv_rotary(rows_list: tuple[int, ...], sweep: bool) -> list[dict]:
+    """Llama-3-8B's q/k/v with rotary and the KV append (32 / 8 heads of 128, one token a row, cache
+    slots spread over 64 blocks of 64): the fused launch against cuBLAS then ``rotary_kv_append``;
+    ``sweep``: every tile shape of the fused kernel (BLOCK_N: columns of each half of a head)."""
+    hq, hk, d = 32, 8, 128
+    inv_freq = 1.0 / (500000 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    freqs = torch.outer(torch.arange(8192, device="cuda").float(), inv_freq)
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    k_cache, v_cache = (torch.zeros(64, 64, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     out = []
     for m in rows_list:
-        n, k = LINEAR_SHAPES["gate_up"]
-        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(8)]
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        unfused_us = _each_weight_us(functools.partial(_gated_unfused, x), weights)
-        expected = _gated_unfused(x, weights[0])
-        best = None
-        for tiles in [None, *(GATED_TILES if sweep else [])]:
-            run = functools.partial(triton_fused_linear.linear_act_and_mul, x, gelu_tanh=False, tiles=tiles)
-            label = str(tiles or "default")
-            try:
-                torch.testing.assert_close(run(weights[0]), expected, atol=2e-2, rtol=2e-2)
-                us = _each_weight_us(run, weights)
-            except Exception as exc:  # noqa: BLE001 - a tile may not fit in shared memory
-                print(json.dumps({"bench": f"fused_gate_up_m{m}", "tiles": label, "error": str(exc)[:100]}))
-                continue
-            print(json.dumps({"bench": f"fused_gate_up_m{m}", "tiles": label, "us": round(us, 2)}), flush=True)
-            best = min(best or (us, label), (us, label))
-        out.append(_report(f"fused_gate_up_act_m{m}", best[0] / 1e3, unfused_us=unfused_us, fused_us=best[0],
-                           floor_us=n * k * 2 / HBM_BYTES_PER_S * 1e6, saved_us=unfused_us - best[0]))  # fmt: skip
-        print(json.dumps({"bench": f"fused_gate_up_act_m{m}_best_tiles", "tiles": best[1]}))
+        positions = torch.randint(0, 8192, (m,), device="cuda")
+        slots = torch.randperm(64 * 64, device="cuda")[:m]
+        rest = (positions, cos_sin, k_cache, v_cache, slots)
+
+        def unfused(x, weight, rest=rest):
+            q, k, v = F.linear(x, weight).view(x.shape[0], -1, d).split([hq, hk, hk], dim=1)
+            return triton_pointwise.rotary_kv_append(q, k, v, *rest)
+
+        def fused(x, weight, tiles, rest=rest):
+            return triton_fused_linear.linear_rotary_kv_append(x, weight, None, *rest, tiles=tiles)
+
+        tiles = QKV_ROTARY_TILES if sweep else []
+        out.append(_sweep_fused("fused_qkv_rotary", m, LINEAR_SHAPES["qkv"], unfused, fused, tiles))
     return out
 
 
@@ -461,7 +503,7 @@ def main() -> None:
         "--gemm", action="store_true", help="the linears at decode's few rows: cuBLAS against our GEMMs"
     )
     parser.add_argument("--gemm-rows", type=int, nargs="+", default=[1, 16], help="rows of --gemm / --sweep gemm")
-    parser.add_argument("--fused", action="store_true", help="also time the fused gate_up and activation against the unfused")
+    parser.add_argument("--fused", action="store_true", help="also time the fused gate_up and q/k/v kernels against the unfused")
     parser.add_argument("--argmax", action="store_true", help="also time the sampler's argmax, torch against ours")
     parser.add_argument(
         "--decode-shape", type=int, nargs=2, default=[64, 2048], metavar=("BATCH", "CONTEXT"),
@@ -485,6 +527,7 @@ def main() -> None:
         rows += bench_prefill("prefill" in sweep, block_size, args.prefill_lengths)
     if args.fused:
         rows += bench_fused_gate_up(tuple(args.gemm_rows), "fused" in (args.sweep or ()))
+        rows += bench_fused_qkv_rotary(tuple(args.gemm_rows), "fused" in (args.sweep or ()))
     if args.argmax:
         rows += bench_argmax()
     if args.blas:

@@ -19,7 +19,7 @@ from .reference_quant import Fp8Rows, fp6_linear, fp8_linear, int8_linear, quant
 
 __all__ = [
     "argmax_rows", "dense_linear", "fp6_linear", "fp8_linear", "gelu_tanh_and_mul", "gelu_tanh_and_mul_fp8",
-    "int8_linear", "kv_append", "linear_gelu_tanh_and_mul", "linear_silu_and_mul",
+    "int8_linear", "kv_append", "linear_gelu_tanh_and_mul", "linear_rotary_kv_append", "linear_silu_and_mul",
     "paged_attention", "quantize_fp8_per_token", "rms_norm", "rms_norm_fp8", "rotary_embedding",
     "rotary_kv_append", "silu_and_mul", "silu_and_mul_fp8",
 ]  # fmt: skip
@@ -154,6 +154,26 @@ def rotary_kv_append(
     q, k = rotary_embedding(q, k, positions, cos_sin_cache)
     kv_append(k, v, k_cache, v_cache, slot_mapping)
     return q
+
+
+def linear_rotary_kv_append(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """An attention layer from its normed input to attention's q: the packed q/k/v product
+    ``x @ weight^T + bias`` (weight rows: the Hq query heads, then the Hk key heads, then the Hk value
+    heads, D each; Hk and D read from ``k_cache``), then ``rotary_kv_append``. Returns the rotated q
+    [T, Hq, D]. The Triton twin does it in one launch for decode's few rows."""
+    head_dim, num_kv_heads = k_cache.shape[3], k_cache.shape[2]
+    qkv = F.linear(x, weight, bias).view(x.shape[0], -1, head_dim)
+    q, k, v = qkv.split([qkv.shape[1] - 2 * num_kv_heads, num_kv_heads, num_kv_heads], dim=1)
+    return rotary_kv_append(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(

@@ -1,4 +1,5 @@
-"""A gated MLP's gate and up products with its activation in their epilogue, for decode's few rows.
+"""Few-row products with the step after them in their epilogue: a gated MLP's gate and up with its
+activation, and an attention layer's q/k/v with rotary and the KV-cache append.
 
 At a few rows a product only reads its weight, and the activation launch after it costs a few
 microseconds of launch and ramp for a few kilobytes of work. ``linear_silu_and_mul`` /
@@ -23,7 +24,7 @@ import triton.language as tl
 
 from .pdl import pdl_launch, pdl_prologue
 from .triton_attention import _dot_precision
-from .triton_pointwise import act_and_mul_values, gelu_tanh_and_mul, silu_and_mul
+from .triton_pointwise import act_and_mul_values, gelu_tanh_and_mul, rotary_kv_append, silu_and_mul
 from .triton_quant import few_row_product, gemm_tile
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the gated product: BLOCK_N columns of gate and as many
@@ -92,3 +93,129 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def linear_gelu_tanh_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """See ``reference.linear_gelu_tanh_and_mul``."""
     return linear_act_and_mul(x, weight, gelu_tanh=True)
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of q/k/v with rotary: BLOCK_N columns of each half of a head
+# per program; the fastest of 36 shapes at one row of Llama-3-8B's q/k/v on an H200, 15.6 us against
+# 18.3 for cuBLAS and rotary_kv_append (weight-read floor 11.9; 16-column tiles took 22-36 us)
+# (bench/kernels_bench.py --no-attention --fused --sweep fused --gemm-rows 1)
+QKV_ROTARY_TILES = (16, 32, 256, 4, 4)
+
+
+def _qkv_rotary_tiles(element_size: int, half: int) -> tuple[int, int, int, int, int]:
+    """``QKV_ROTARY_TILES`` fitted to the problem: no wider than half a head, and half the K step for
+    4-byte values (their stages would not fit in shared memory)."""
+    bm, bn, bk, warps, stages = QKV_ROTARY_TILES
+    return bm, min(bn, half), bk * 2 // max(element_size, 2), warps, stages
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_rotary_kv_append_kernel(
+    x_ptr, w_ptr, bias_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slot_ptr, cos_sin_ptr,
+    M, K, stride_xm, stride_wn, stride_qt, stride_qh,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_cos_sin,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """A program owns BLOCK_N columns of one half of one head and the same columns of its other half
+    (the pairs rotary mixes), for BLOCK_M rows; heads run q, then k, then v, as the packed weight's rows."""
+    pdl_prologue(PDL)
+    tiles_per_half: tl.constexpr = HALF // BLOCK_N
+    head = tl.program_id(0) // tiles_per_half
+    c = (tl.program_id(0) % tiles_per_half) * BLOCK_N + tl.arange(0, BLOCK_N)  # columns within a half
+    rm = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    m_ok = rm < M
+    rk = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + rm[:, None] * stride_xm  # [BM, 1]
+    first_cols = w_ptr + (head * 2 * HALF + c)[None, :].to(tl.int64) * stride_wn  # [1, BN]
+    second_cols = first_cols + HALF * stride_wn
+    acc_first = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_second = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + rk
+        k_ok = k < K
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
+        w_first = tl.load(first_cols + k[:, None], mask=k_ok[:, None], other=0.0)  # [BK, BN]
+        w_second = tl.load(second_cols + k[:, None], mask=k_ok[:, None], other=0.0)
+        acc_first = tl.dot(x, w_first, acc_first, input_precision=DOT_PREC)
+        acc_second = tl.dot(x, w_second, acc_second, input_precision=DOT_PREC)
+    if HAS_BIAS:
+        acc_first += tl.load(bias_ptr + head * 2 * HALF + c).to(tl.float32)[None, :]
+        acc_second += tl.load(bias_ptr + head * 2 * HALF + HALF + c).to(tl.float32)[None, :]
+    dtype = x_ptr.dtype.element_ty
+    # why the casts: the unfused product stores q/k/v in the input dtype, and rotary rounds to it again
+    first = acc_first.to(dtype)
+    second = acc_second.to(dtype)
+    if head < NUM_Q_HEADS + NUM_KV_HEADS:  # q and k rotate
+        pos = tl.load(pos_ptr + rm, mask=m_ok, other=0).to(tl.int64)
+        cos_ptrs = cos_sin_ptr + pos[:, None] * stride_cos_sin + c[None, :]
+        cos = tl.load(cos_ptrs, mask=m_ok[:, None], other=0.0)
+        sin = tl.load(cos_ptrs + HALF, mask=m_ok[:, None], other=0.0)
+        a = first.to(tl.float32)
+        b = second.to(tl.float32)
+        first = (a * cos - b * sin).to(dtype)
+        second = (b * cos + a * sin).to(dtype)
+    if head < NUM_Q_HEADS:
+        q_out = q_ptr + rm[:, None] * stride_qt + head * stride_qh + c[None, :]
+        tl.store(q_out, first, mask=m_ok[:, None])
+        tl.store(q_out + HALF, second, mask=m_ok[:, None])
+    else:
+        slot = tl.load(slot_ptr + rm, mask=m_ok, other=-1).to(tl.int64)
+        ok = (m_ok & (slot >= 0))[:, None]  # a negative slot marks a padding token: nothing is written
+        block = (slot // BLOCK_SIZE)[:, None]
+        offset = (slot % BLOCK_SIZE)[:, None]
+        if head < NUM_Q_HEADS + NUM_KV_HEADS:
+            kv_head = head - NUM_Q_HEADS
+            dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + kv_head * stride_kch + c[None, :]
+        else:
+            kv_head = head - NUM_Q_HEADS - NUM_KV_HEADS
+            dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + kv_head * stride_vch + c[None, :]
+        cache_dtype = k_cache_ptr.dtype.element_ty
+        tl.store(dst, first.to(cache_dtype), mask=ok)
+        tl.store(dst + HALF, second.to(cache_dtype), mask=ok)
+
+
+def linear_rotary_kv_append(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    tiles: tuple[int, int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """See ``reference.linear_rotary_kv_append``. One launch for few rows of whole-head rotary (the
+    q/k/v product rounded where it stores, rotary rounded where it rounds); any other case runs the
+    product, then ``rotary_kv_append``. ``tiles``: instead of ``QKV_ROTARY_TILES`` (the tile sweep)."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_q_heads = weight.shape[0] // head_dim - 2 * num_kv_heads
+    half = head_dim // 2
+    bm, bn, bk, warps, stages = tiles or _qkv_rotary_tiles(x.element_size(), half)
+    fused = (
+        few_row_product(x, weight)
+        and cos_sin_cache.shape[-1] == head_dim
+        and half % bn == 0
+        and bn >= 16  # tl.dot's narrowest tile
+        and k_cache.dtype == v_cache.dtype
+        and all(t.stride(-1) == 1 for t in (k_cache, v_cache, cos_sin_cache))
+    )
+    if not fused:
+        qkv = torch.nn.functional.linear(x, weight, bias).view(x.shape[0], -1, head_dim)
+        q, k, v = qkv.split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)
+        return rotary_kv_append(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    m, k = x.shape
+    q = torch.empty((m, num_q_heads, head_dim), dtype=x.dtype, device=x.device)
+    heads = num_q_heads + 2 * num_kv_heads
+    _linear_rotary_kv_append_kernel[(heads * (half // bn), triton.cdiv(m, bm))](
+        x, weight, bias if bias is not None else x, q, k_cache, v_cache, positions, slot_mapping, cos_sin_cache,
+        m, k, x.stride(0), weight.stride(0), q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), cos_sin_cache.stride(0),
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, BLOCK_SIZE=block_size,
+        HAS_BIAS=bias is not None, DOT_PREC=_dot_precision(x.dtype),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **pdl_launch(x.device),
+    )  # fmt: skip
+    return q

@@ -6,7 +6,8 @@ KV append), ``triton_attention`` (ragged paged attention: a split-K decode kerne
 kernel behind one dispatch, with sliding windows and logit soft-capping), ``triton_moe`` (the fused
 mixture-of-experts router and MLP: tokens sorted by expert, one grouped GEMM per projection),
 ``triton_quant`` (int8 and FP6 weight-only GEMMs, and the few-row dense GEMM), ``triton_fused_linear``
-(a gated MLP's gate and up products with the activation in their epilogue), ``triton_fp8``
+(a gated MLP's gate and up products with the activation in their epilogue, and q/k/v with rotary and
+the KV append in theirs), ``triton_fp8``
 (fp8 activation quantization and GEMMs) and ``triton_argmax`` (the sampler's row-wise argmax, spread
 over the GPU).
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 from .triton_argmax import argmax_rows
 from .triton_attention import paged_attention
 from .triton_fp8 import fp8_linear, quantize_fp8_per_token
-from .triton_fused_linear import linear_gelu_tanh_and_mul, linear_silu_and_mul
+from .triton_fused_linear import linear_gelu_tanh_and_mul, linear_rotary_kv_append, linear_silu_and_mul
 from .triton_moe import fused_moe, moe_route
 from .triton_pointwise import (
     gelu_tanh_and_mul,
@@ -41,6 +42,7 @@ __all__ = [
     "int8_linear",
     "kv_append",
     "linear_gelu_tanh_and_mul",
+    "linear_rotary_kv_append",
     "linear_silu_and_mul",
     "moe_route",
     "paged_attention",

@@ -88,15 +88,22 @@ class LlamaAttention(nn.Module):
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
-        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hk) D]
-        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
-        q, k, v = q.reshape(t, self.num_heads, d), k.reshape(t, self.num_kv_heads, d), v.reshape(t, -1, d)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q)[0], self.k_norm(k)[0]
-        if self.rotary:
-            q = self.ops.rotary_kv_append(q, k, v, meta.positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
+        qkv_proj = self.qkv_proj
+        if self.rotary and self.q_norm is None and type(qkv_proj) is ColumnParallelLinear:  # not quantized
+            # one op from the normed rows to attention's q (one launch at decode's few rows)
+            q = self.ops.linear_rotary_kv_append(
+                x, qkv_proj.weight, qkv_proj.bias, meta.positions, cos_sin, k_cache, v_cache, meta.slot_mapping
+            )
         else:
-            self.ops.kv_append(k, v, k_cache, v_cache, meta.slot_mapping)
+            qkv = qkv_proj(x)  # [T, (Hq + 2 Hk) D]
+            q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+            q, k, v = q.reshape(t, self.num_heads, d), k.reshape(t, self.num_kv_heads, d), v.reshape(t, -1, d)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q)[0], self.k_norm(k)[0]
+            if self.rotary:
+                q = self.ops.rotary_kv_append(q, k, v, meta.positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
+            else:
+                self.ops.kv_append(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale, **self.options)  # [T, Hq, D]
         return self.o_proj(out.reshape(t, self.num_heads * d))
 

@@ -1,6 +1,6 @@
 """Quantized linear kernels (``triton_quant``, ``triton_fp8``) against their reference twins, the
-few-row 16-bit GEMMs (``dense_linear``, and gate_up with its activation from ``triton_fused_linear``),
-and the FP6 e3m2 format itself.
+few-row 16-bit GEMMs (``dense_linear``; from ``triton_fused_linear``, gate_up with its activation and
+q/k/v with rotary and the KV append), and the FP6 e3m2 format itself.
 
 On CUDA: Llama-like shapes in bf16/fp16. On the CPU: Triton's interpreter at tiny shapes, with row
 counts that reach each tile configuration (1, 16 < M <= 64, M > 64).
@@ -303,3 +303,92 @@ def test_fused_gate_up_replays_in_a_cuda_graph() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(replayed, eager)
+
+
+# one rounding of a rotated value apart
+ROTARY_TOL = {
+    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+    torch.float16: {"atol": 1e-3, "rtol": 2e-3},
+    torch.bfloat16: {"atol": 1e-2, "rtol": 1.6e-2},
+}
+# (hidden, query heads, KV heads, head size) of the fused q/k/v: Llama-3-8B on the GPU
+QKV_SHAPE = (4096, 32, 8, 128) if ON_GPU else (64, 4, 2, 32)
+
+
+def _cos_sin(max_positions: int, head_dim: int) -> torch.Tensor:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=DEVICE).float() / head_dim))
+    freqs = torch.outer(torch.arange(max_positions, device=DEVICE).float(), inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float32] if ON_GPU else DTYPES)  # fp32: a smaller K step
+@pytest.mark.parametrize("rows", [1, 7, 16, 17])  # 17: past DENSE_MAX_ROWS, the unfused ops
+@pytest.mark.parametrize("with_bias", [False, True])  # Qwen2's q/k/v carry a bias
+def test_linear_rotary_kv_append_is_the_product_then_rotary_and_the_append(
+    dtype: torch.dtype, rows: int, with_bias: bool
+) -> None:
+    """One launch for few rows: q/k/v rounded as the product stores them, rotated and rounded as
+    ``rotary_kv_append`` does, k and v written to their slots (none for a padding token's -1)."""
+    from mii_server.kernels import reference, triton_ops
+
+    hidden, hq, hk, d = QKV_SHAPE
+    num_blocks, block_size = 8, 16
+    cos_sin = _cos_sin(4096, d)
+    positions = torch.randint(0, 4096, (rows,), device=DEVICE)
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:rows]
+    slots[rows // 2] = -1
+    caches = [torch.randn(num_blocks, block_size, hk, d, device=DEVICE).to(dtype) for _ in range(2)]
+
+    def run(op, x, weight, bias):
+        k_cache, v_cache = (c.clone() for c in caches)
+        q = op(x, weight, bias, positions, cos_sin, k_cache, v_cache, slots)
+        return q, k_cache, v_cache
+
+    def unfused(x, weight, bias, *rest):
+        qkv = torch.nn.functional.linear(x, weight, bias).view(rows, -1, d)
+        return triton_ops.rotary_kv_append(*qkv.split([hq, hk, hk], dim=1), *rest)
+
+    n = (hq + 2 * hk) * d
+    exact = (_small_integers(rows, hidden, dtype=dtype), _small_integers(n, hidden, dtype=dtype))
+    exact_bias = _small_integers(n, dtype=dtype) if with_bias else None
+    got = run(triton_ops.linear_rotary_kv_append, *exact, exact_bias)
+    assert got[0].shape == (rows, hq, d) and got[0].dtype == dtype
+    want = run(unfused, *exact, exact_bias)
+    assert torch.equal(got[2], want[2])  # v: the exact product, rounded once, in its slots (only there)
+    for got_part, want_part in zip(got[:2], want[:2]):  # q and k: rotary may contract into FMAs differently
+        torch.testing.assert_close(got_part, want_part, **ROTARY_TOL[dtype])
+
+    x = torch.randn(rows, hidden, device=DEVICE).to(dtype)
+    weight = (torch.randn(n, hidden, device=DEVICE) / hidden**0.5).to(dtype)
+    bias = torch.randn(n, device=DEVICE).to(dtype) if with_bias else None
+    got = run(triton_ops.linear_rotary_kv_append, x, weight, bias)
+    want = run(reference.linear_rotary_kv_append, x.float(), weight.float(), None if bias is None else bias.float())
+    for got_part, want_part in zip(got, want):
+        torch.testing.assert_close(got_part.float(), want_part.float(), **TOL[dtype])
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_fused_qkv_rotary_replays_in_a_cuda_graph() -> None:
+    """Every replay gives the eager q and writes the eager k and v."""
+    from mii_server.kernels import triton_ops
+
+    hidden, hq, hk, d = QKV_SHAPE
+    x = torch.randn(3, hidden, device=DEVICE, dtype=torch.bfloat16)
+    weight = (torch.randn((hq + 2 * hk) * d, hidden, device=DEVICE) / hidden**0.5).to(torch.bfloat16)
+    cos_sin = _cos_sin(64, d)
+    positions = torch.tensor([5, 17, 63], device=DEVICE)
+    slots = torch.tensor([3, 40, 2], device=DEVICE)
+    k_cache, v_cache = (torch.zeros(4, 16, hk, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    eager = triton_ops.linear_rotary_kv_append(x, weight, None, positions, cos_sin, k_cache, v_cache, slots)
+    eager_k, eager_v = k_cache.clone(), v_cache.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = triton_ops.linear_rotary_kv_append(x, weight, None, positions, cos_sin, k_cache, v_cache, slots)
+    for _ in range(3):
+        replayed.zero_()
+        k_cache.zero_()
+        v_cache.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, eager) and torch.equal(k_cache, eager_k) and torch.equal(v_cache, eager_v)
