@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_launch, pdl_prologue
+from .pdl import pdl_launch, pdl_release, pdl_wait
 from .triton_attention import _dot_precision
 from .triton_pointwise import act_and_mul_values, gelu_tanh_and_mul, rotary_kv_append, silu_and_mul
 from .triton_quant import few_row_product, gemm_tile
@@ -42,7 +42,7 @@ def _linear_act_and_mul_kernel(
     GELU_TANH: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl_prologue(PDL)
+    pdl_wait(PDL)
     rm, rn, m_ok, n_ok = gemm_tile(M, I, BLOCK_M, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rm[:, None] * stride_xm  # [BM, 1]
@@ -59,6 +59,7 @@ def _linear_act_and_mul_kernel(
         up = tl.load(up_cols + k[:, None], mask=w_mask, other=0.0)
         acc_gate = tl.dot(x, gate, acc_gate, input_precision=DOT_PREC)
         acc_up = tl.dot(x, up, acc_up, input_precision=DOT_PREC)
+    pdl_release(PDL)  # why after the loop: see pdl.py
     dtype = x_ptr.dtype.element_ty
     # why the casts: the unfused product stores gate and up in the input dtype before the activation
     y = act_and_mul_values(acc_gate.to(dtype), acc_up.to(dtype), GELU_TANH)
@@ -120,7 +121,7 @@ def _linear_rotary_kv_append_kernel(
 ):  # fmt: skip
     """A program owns BLOCK_N columns of one half of one head and the same columns of its other half
     (the pairs rotary mixes), for BLOCK_M rows; heads run q, then k, then v, as the packed weight's rows."""
-    pdl_prologue(PDL)
+    pdl_wait(PDL)
     tiles_per_half: tl.constexpr = HALF // BLOCK_N
     head = tl.program_id(0) // tiles_per_half
     c = (tl.program_id(0) % tiles_per_half) * BLOCK_N + tl.arange(0, BLOCK_N)  # columns within a half
@@ -140,6 +141,7 @@ def _linear_rotary_kv_append_kernel(
         w_second = tl.load(second_cols + k[:, None], mask=k_ok[:, None], other=0.0)
         acc_first = tl.dot(x, w_first, acc_first, input_precision=DOT_PREC)
         acc_second = tl.dot(x, w_second, acc_second, input_precision=DOT_PREC)
+    pdl_release(PDL)  # why after the loop: see pdl.py
     if HAS_BIAS:
         acc_first += tl.load(bias_ptr + head * 2 * HALF + c).to(tl.float32)[None, :]
         acc_second += tl.load(bias_ptr + head * 2 * HALF + HALF + c).to(tl.float32)[None, :]

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .fp6_format import FP6_FP16_FACTOR
-from .pdl import pdl_launch, pdl_prologue
+from .pdl import pdl_launch, pdl_release, pdl_wait
 from .reference_quant import dequantize_weight
 from .triton_attention import _dot_precision, _num_sms
 
@@ -64,7 +64,7 @@ def _weight_only_gemm_kernel(
     FP6: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl_prologue(PDL)
+    pdl_wait(PDL)
     rm, rn, m_ok, n_ok = gemm_tile(M, N, BLOCK_M, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -100,6 +100,7 @@ def _weight_only_gemm_kernel(
             w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0)  # int8 [BK, BN]
             x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
             acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PREC)
+    pdl_release(PDL)  # why after the loop: see pdl.py
     if SCALED:
         acc *= (tl.load(scale_ptr + rn, mask=n_ok, other=0.0) * scale_factor)[None, :]
     store_gemm_tile(acc, out_ptr, bias_ptr, rm, rn, m_ok, n_ok, stride_om, HAS_BIAS)

@@ -33,9 +33,14 @@ _UNUSED_SUFFIXES = (".input_scale", ".activation_scale")
 
 def quantize_model(model: nn.Module, scheme: QuantScheme, device: torch.device) -> None:
     """Swap ``model``'s linears (built, not loaded) for quantized twins using ``device``'s kernels
-    (the reference ops for fp8 on a device without fp8 tensor cores)."""
+    (the reference ops for fp8 on a device without fp8 tensor cores). Weight-only int8 and FP6 in
+    Triton turn programmatic dependent launch off for the process (``kernels.pdl``: measured slower)."""
     ops = reference if scheme.emulated else get_ops(device)
     count = quantize_linears(model, scheme, ops)
+    if scheme.weight_format in ("int8", "fp6") and ops is not reference:
+        from ..kernels.pdl import off_for_weight_only_models  # why here: Triton is imported only with its ops
+
+        off_for_weight_only_models()
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the full-precision placeholders' memory goes back to the device
     log.info("quantized %d linear layers to %s (%s)", count, scheme.weight_format, scheme.origin)

@@ -173,8 +173,7 @@ def quantize_linears(model: nn.Module, scheme: QuantScheme, ops: Any) -> int:
 
     fp8 on fp8 tensor cores: each RMSNorm whose output only an fp8 linear reads (a block's
     ``norm_consumers``) then quantizes that output itself (``RMSNorm.fp8_output``), and so does each
-    gated MLP's activation for its down projection (``activation_consumer``, ``fp8_activation``), and
-    the process's decode kernels launch with PDL (``kernels.pdl``)."""
+    gated MLP's activation for its down projection (``activation_consumer``, ``fp8_activation``)."""
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -190,9 +189,6 @@ def quantize_linears(model: nn.Module, scheme: QuantScheme, ops: Any) -> int:
             setattr(parent, name, twin)
             replaced += 1
     if scheme.weight_format == "fp8" and not scheme.emulated:
-        from ..kernels.pdl import enable_for_fp8_models  # why here: Triton is imported only on such GPUs
-
-        enable_for_fp8_models()
         for block in model.modules():
             if not hasattr(block, "norm_consumers"):  # only decoder blocks say which norm feeds what
                 continue

@@ -305,9 +305,10 @@ def test_fused_gate_up_replays_in_a_cuda_graph() -> None:
         assert torch.equal(replayed, eager)
 
 
-# one rounding of a rotated value apart
+# one rounding of a rotated value apart (float32: of the exact products, which reach ~10^4, where
+# a*cos - b*sin may cancel)
 ROTARY_TOL = {
-    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+    torch.float32: {"atol": 1e-2, "rtol": 1e-5},
     torch.float16: {"atol": 1e-3, "rtol": 2e-3},
     torch.bfloat16: {"atol": 1e-2, "rtol": 1.6e-2},
 }
