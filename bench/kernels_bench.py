@@ -436,7 +436,7 @@ def bench_fused_qkv_rotary(rows_list: tuple[int, ...], sweep: bool) -> list[dict
     """Llama-3-8B's q/k/v with rotary and the KV append (32 / 8 heads of 128, one token a row, cache
     slots spread over 64 blocks of 64): the fused launch against cuBLAS then ``rotary_kv_append``;
     ``sweep``: every tile shape of the fused kernel (BLOCK_N: columns of each half of a head)."""
-    hq, hk, d = 32, 8, 128
+    hk, d = 8, 128  # and 32 query heads: LINEAR_SHAPES["qkv"]
     inv_freq = 1.0 / (500000 ** (torch.arange(0, d, 2, device="cuda").float() / d))
     freqs = torch.outer(torch.arange(8192, device="cuda").float(), inv_freq)
     cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
@@ -448,7 +448,7 @@ def bench_fused_qkv_rotary(rows_list: tuple[int, ...], sweep: bool) -> list[dict
         rest = (positions, cos_sin, k_cache, v_cache, slots)
 
         def unfused(x, weight, rest=rest):
-            q, k, v = F.linear(x, weight).view(x.shape[0], -1, d).split([hq, hk, hk], dim=1)
+            q, k, v = reference.split_qkv(F.linear(x, weight), hk, d)
             return triton_pointwise.rotary_kv_append(q, k, v, *rest)
 
         def fused(x, weight, tiles, rest=rest):

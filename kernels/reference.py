@@ -21,7 +21,7 @@ __all__ = [
     "argmax_rows", "dense_linear", "fp6_linear", "fp8_linear", "gelu_tanh_and_mul", "gelu_tanh_and_mul_fp8",
     "int8_linear", "kv_append", "linear_gelu_tanh_and_mul", "linear_rotary_kv_append", "linear_silu_and_mul",
     "paged_attention", "quantize_fp8_per_token", "rms_norm", "rms_norm_fp8", "rotary_embedding",
-    "rotary_kv_append", "silu_and_mul", "silu_and_mul_fp8",
+    "rotary_kv_append", "silu_and_mul", "silu_and_mul_fp8", "split_qkv",
 ]  # fmt: skip
 
 
@@ -170,10 +170,15 @@ def linear_rotary_kv_append(
     ``x @ weight^T + bias`` (weight rows: the Hq query heads, then the Hk key heads, then the Hk value
     heads, D each; Hk and D read from ``k_cache``), then ``rotary_kv_append``. Returns the rotated q
     [T, Hq, D]. The Triton twin does it in one launch for decode's few rows."""
-    head_dim, num_kv_heads = k_cache.shape[3], k_cache.shape[2]
-    qkv = F.linear(x, weight, bias).view(x.shape[0], -1, head_dim)
-    q, k, v = qkv.split([qkv.shape[1] - 2 * num_kv_heads, num_kv_heads, num_kv_heads], dim=1)
+    q, k, v = split_qkv(F.linear(x, weight, bias), k_cache.shape[2], k_cache.shape[3])
     return rotary_kv_append(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+
+
+def split_qkv(qkv: torch.Tensor, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """A packed q/k/v product [T, (Hq + 2 Hk) D] as (q [T, Hq, D], k [T, Hk, D], v [T, Hk, D]), views of
+    it where its layout allows."""
+    heads = qkv.reshape(qkv.shape[0], -1, head_dim)
+    return heads.split([heads.shape[1] - 2 * num_kv_heads, num_kv_heads, num_kv_heads], dim=1)
 
 
 def paged_attention(

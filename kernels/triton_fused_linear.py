@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .pdl import pdl_launch, pdl_release, pdl_wait
+from .reference import split_qkv
 from .triton_attention import _dot_precision
 from .triton_pointwise import act_and_mul_values, gelu_tanh_and_mul, rotary_kv_append, silu_and_mul
 from .triton_quant import few_row_product, gemm_tile
@@ -205,8 +206,7 @@ def linear_rotary_kv_append(
         and all(t.stride(-1) == 1 for t in (k_cache, v_cache, cos_sin_cache))
     )
     if not fused:
-        qkv = torch.nn.functional.linear(x, weight, bias).view(x.shape[0], -1, head_dim)
-        q, k, v = qkv.split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)
+        q, k, v = split_qkv(torch.nn.functional.linear(x, weight, bias), num_kv_heads, head_dim)
         return rotary_kv_append(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
     m, k = x.shape
     q = torch.empty((m, num_q_heads, head_dim), dtype=x.dtype, device=x.device)

@@ -163,8 +163,8 @@ def fp6_linear(
 # enough that its 32-row weight slices give at most one program per SM, where cuBLAS splits K and
 # adds a reduce launch. One row on an H200 (bench/kernels_bench.py --sweep gemm): o_proj 4096 x 4096
 # 11.7 us against cuBLAS's 13.6, down 4096 x 14336 30.9 against 32.1 (at 16 rows: 11.5 / 14.0 and
-# 31.5 / 33.5, kernels_bench.py --gemm); qkv stays in cuBLAS, gate_up goes to triton_fused_linear
-# with its activation
+# 31.5 / 33.5, kernels_bench.py --gemm); qkv (with rotary) and gate_up (with its activation) go to
+# triton_fused_linear
 DENSE_MAX_ROWS = 16
 DENSE_TILES = (16, 32, 512, 4, 3)
 

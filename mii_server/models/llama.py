@@ -16,6 +16,7 @@ from torch import nn
 
 from ..errors import UnsupportedModel
 from ..kernels import AttentionMetadata
+from ..kernels.reference import split_qkv
 from .checkpoint import CheckpointNames, load_checkpoint
 from .layers import (
     ColumnParallelLinear,
@@ -95,9 +96,7 @@ class LlamaAttention(nn.Module):
                 x, qkv_proj.weight, qkv_proj.bias, meta.positions, cos_sin, k_cache, v_cache, meta.slot_mapping
             )
         else:
-            qkv = qkv_proj(x)  # [T, (Hq + 2 Hk) D]
-            q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
-            q, k, v = q.reshape(t, self.num_heads, d), k.reshape(t, self.num_kv_heads, d), v.reshape(t, -1, d)
+            q, k, v = split_qkv(qkv_proj(x), self.num_kv_heads, d)
             if self.q_norm is not None:
                 q, k = self.q_norm(q)[0], self.k_norm(k)[0]
             if self.rotary:
