@@ -220,14 +220,17 @@ def _decode_kernel(
 ):  # fmt: skip
     """MERGE_IN_KERNEL: the last split of a (sequence, KV head) to finish merges the partial states
     of all its splits (counted in ``arrivals_ptr``, which it resets to 0), instead of a reduce launch."""
-    pdl_prologue(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # why before the wait: the step's metadata is no kernel's output (see pdl.py), so these reads
+    # overlap the previous kernel's tail
     q_idx = tl.load(cu_q_lens_ptr + seq)
-    if tl.load(cu_q_lens_ptr + seq + 1) == q_idx:  # a sequence with no new token this step
-        return
+    q_end = tl.load(cu_q_lens_ptr + seq + 1)
     ctx = tl.load(context_lens_ptr + seq)
+    pdl_prologue(PDL)
+    if q_end == q_idx:  # a sequence with no new token this step
+        return
     n_tiles = tl.cdiv(ctx, BLOCK_N)
     t_lo = _first_tile(ctx, window, BLOCK_N, SLIDING)
     per_split = tl.cdiv(n_tiles - t_lo, NUM_SPLITS)

@@ -48,10 +48,13 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pdl_prologue(PDL)
-    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < hidden
+    # why before the wait: the weight is no kernel's output (see pdl.py), so its read overlaps the
+    # previous kernel's tail
+    w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    pdl_prologue(PDL)
+    row = tl.program_id(0).to(tl.int64)
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     dtype = x.dtype
     if HAS_RESIDUAL:
@@ -61,7 +64,6 @@ def _rms_norm_kernel(
         tl.store(stream_ptr + row * stride_stream + cols, x, mask=ok)
     h = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / hidden + eps)
-    w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     normed = (h * inv).to(dtype).to(tl.float32) * w
     if QUANTIZE:  # the row quantized per token, as quantize_fp8_per_token does to the rounded output
         y = normed.to(dtype).to(tl.float32)
@@ -319,17 +321,19 @@ def _rotary_kv_append_kernel(
     TAIL_PAD: tl.constexpr, QH_PAD: tl.constexpr, KH_PAD: tl.constexpr, D_PAD: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl_prologue(PDL)
+    # why before the wait: positions, slots and the cos/sin table are no kernel's output in a step
+    # (see pdl.py), so their reads overlap the previous kernel's tail
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     cols = tl.arange(0, HALF_PAD)
     cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + cols, mask=cols < HALF, other=0.0)[None, :]
     sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + HALF + cols, mask=cols < HALF, other=0.0)[None, :]
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    pdl_prologue(PDL)
     _rotate_heads(
         q_ptr + tok * stride_qt, q_out_ptr + tok * stride_qot, stride_qh, stride_qoh, cos, sin,
         num_q_heads, QH_PAD, HALF, HALF_PAD, TAIL, TAIL_PAD,
     )  # fmt: skip
-    slot = tl.load(slot_ptr + tok).to(tl.int64)
     if slot < 0:  # why: a negative slot marks a padding token (e.g. in a CUDA-graph batch)
         return
     block = slot // BLOCK_SIZE
