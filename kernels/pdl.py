@@ -2,8 +2,8 @@
 
 Launched with PDL, a kernel's programs may be scheduled while the kernel before it in the stream is
 still running, so its launch latency overlaps the previous kernel's tail. Every kernel launched so
-starts with ``gdc_wait``, which blocks until the previous kernel has finished and its writes are
-visible (nothing is read or written before that), and calls ``gdc_launch_dependents`` to let the next
+calls ``gdc_wait``, which blocks until the previous kernel has finished and its writes are visible,
+before it touches anything a kernel may write, and calls ``gdc_launch_dependents`` to let the next
 kernel be scheduled in turn: at its start (``pdl_prologue``), or, in the few-row 16-bit GEMMs, after
 their main loop (``pdl_wait`` then ``pdl_release``). Released at their start, those GEMMs' dependents
 took SM slots from their later programs, and a bf16 step ran 0.02-0.36 ms slower with PDL than
@@ -11,8 +11,9 @@ without. The wait is transitive: a kernel's predecessor finished only after its 
 Kernels launched without PDL (cuBLAS, torch's) order as usual.
 
 What no kernel of a step writes may be read before the wait: the weights, and the step's metadata
-(positions, slots, sequence lengths), which the host or a torch op fills before the step's first
-kernel, so the transitive wait has seen it finish. So the norm loads its weight, and rotary and the
+(positions, slots, sequence lengths), which the host's copy or a torch op fills before the step's
+first kernel. A kernel starts only once the one before it has passed its own wait (each releases
+after waiting), so everything before that one, those fills included, has finished. So the norm loads its weight, and rotary and the
 decode attention their metadata, while the kernel before them is still running (a bf16 step went
 from 4.30 to 4.26 ms/token); anything a kernel writes, and any activation, comes after the wait.
 
