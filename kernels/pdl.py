@@ -13,9 +13,10 @@ Kernels launched without PDL (cuBLAS, torch's) order as usual.
 What no kernel of a step writes may be read before the wait: the weights, and the step's metadata
 (positions, slots, sequence lengths), which the host's copy or a torch op fills before the step's
 first kernel. A kernel starts only once the one before it has passed its own wait (each releases
-after waiting), so everything before that one, those fills included, has finished. So the norm loads its weight, and rotary and the
-decode attention their metadata, while the kernel before them is still running (a bf16 step went
-from 4.30 to 4.26 ms/token); anything a kernel writes, and any activation, comes after the wait.
+after waiting), so everything before that one, those fills included, has finished. So the norm
+loads its weight, and rotary and the decode attention their metadata, while the kernel before them
+is still running (batch-1 on one H200, ``bench/gpu_benchmark.py --only latency``: bf16 4.30 -> 4.26
+ms/token, fp8 3.20 -> 3.13); anything a kernel writes, and any activation, comes after the wait.
 
 It is on wherever it is supported, except in a process that built a model with weight-only int8 or
 FP6 linears (``off_for_weight_only_models``); ``MII_SERVER_PDL=1`` / ``0`` forces it on or off. By
