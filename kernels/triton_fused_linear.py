@@ -43,7 +43,6 @@ def _linear_act_and_mul_kernel(
     GELU_TANH: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl_wait(PDL)
     rm, rn, m_ok, n_ok = gemm_tile(M, I, BLOCK_M, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rm[:, None] * stride_xm  # [BM, 1]
@@ -51,7 +50,13 @@ def _linear_act_and_mul_kernel(
     up_cols = gate_cols + I.to(tl.int64) * stride_wn
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # why the first K tile apart: see _weight_only_gemm_kernel
+    first_mask = (rk < K)[:, None] & n_ok[None, :]
+    gate_first = tl.load(gate_cols + rk[:, None], mask=first_mask, other=0.0)  # [BK, BN]
+    up_first = tl.load(up_cols + rk[:, None], mask=first_mask, other=0.0)
+    pdl_wait(PDL)
+    x_first = tl.load(x_rows + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :], other=0.0)  # [BM, BK]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + rk
         k_ok = k < K
         w_mask = k_ok[:, None] & n_ok[None, :]
@@ -60,6 +65,8 @@ def _linear_act_and_mul_kernel(
         up = tl.load(up_cols + k[:, None], mask=w_mask, other=0.0)
         acc_gate = tl.dot(x, gate, acc_gate, input_precision=DOT_PREC)
         acc_up = tl.dot(x, up, acc_up, input_precision=DOT_PREC)
+    acc_gate = tl.dot(x_first, gate_first, acc_gate, input_precision=DOT_PREC)
+    acc_up = tl.dot(x_first, up_first, acc_up, input_precision=DOT_PREC)
     pdl_release(PDL)  # why after the loop: see pdl.py
     dtype = x_ptr.dtype.element_ty
     # why the casts: the unfused product stores gate and up in the input dtype before the activation
@@ -122,7 +129,6 @@ def _linear_rotary_kv_append_kernel(
 ):  # fmt: skip
     """A program owns BLOCK_N columns of one half of one head and the same columns of its other half
     (the pairs rotary mixes), for BLOCK_M rows; heads run q, then k, then v, as the packed weight's rows."""
-    pdl_wait(PDL)
     tiles_per_half: tl.constexpr = HALF // BLOCK_N
     head = tl.program_id(0) // tiles_per_half
     c = (tl.program_id(0) % tiles_per_half) * BLOCK_N + tl.arange(0, BLOCK_N)  # columns within a half
@@ -134,7 +140,12 @@ def _linear_rotary_kv_append_kernel(
     second_cols = first_cols + HALF * stride_wn
     acc_first = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_second = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # why the first K tile apart: see triton_quant._weight_only_gemm_kernel
+    tile0_first = tl.load(first_cols + rk[:, None], mask=(rk < K)[:, None], other=0.0)  # [BK, BN]
+    tile0_second = tl.load(second_cols + rk[:, None], mask=(rk < K)[:, None], other=0.0)
+    pdl_wait(PDL)
+    x_tile0 = tl.load(x_rows + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :], other=0.0)  # [BM, BK]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + rk
         k_ok = k < K
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
@@ -142,6 +153,8 @@ def _linear_rotary_kv_append_kernel(
         w_second = tl.load(second_cols + k[:, None], mask=k_ok[:, None], other=0.0)
         acc_first = tl.dot(x, w_first, acc_first, input_precision=DOT_PREC)
         acc_second = tl.dot(x, w_second, acc_second, input_precision=DOT_PREC)
+    acc_first = tl.dot(x_tile0, tile0_first, acc_first, input_precision=DOT_PREC)
+    acc_second = tl.dot(x_tile0, tile0_second, acc_second, input_precision=DOT_PREC)
     pdl_release(PDL)  # why after the loop: see pdl.py
     if HAS_BIAS:
         acc_first += tl.load(bias_ptr + head * 2 * HALF + c).to(tl.float32)[None, :]

@@ -64,13 +64,13 @@ def _weight_only_gemm_kernel(
     FP6: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl_wait(PDL)
     rm, rn, m_ok, n_ok = gemm_tile(M, N, BLOCK_M, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     x_rows = x_ptr + rm[:, None] * stride_xm  # [BM, 1]
     w_cols = w_ptr + rn[None, :].to(tl.int64) * stride_wn  # [1, BN]
     if FP6:
+        pdl_wait(PDL)
         # a K4-range of the three byte planes holds four column ranges of codes (fp6_format)
         k4 = K // 4
         for i0 in range(0, k4, BLOCK_K):
@@ -94,12 +94,24 @@ def _weight_only_gemm_kernel(
             d = ((b0 & 3) << 4) | ((b1 & 3) << 2) | (b2 & 3)
             acc += tl.dot(x3, _fp6_to_fp16(d).to(dt), input_precision=DOT_PREC)
     else:
-        for k0 in range(0, K, BLOCK_K):
+        # why a 16-bit weight's first K tile apart: it is read before the wait (see pdl.py), and multiplied
+        # after the loop, so the loop's first loads need not wait for it (multiplied before the loop, it
+        # made a bf16 step slower); int8 weights stream every tile (held apart, int8 was slower)
+        PEEL: tl.constexpr = not SCALED
+        first_ok = rk < K
+        if PEEL:
+            w_first = tl.load(w_cols + rk[:, None], mask=first_ok[:, None] & n_ok[None, :], other=0.0)
+        pdl_wait(PDL)
+        if PEEL:
+            x_first = tl.load(x_rows + rk[None, :], mask=m_ok[:, None] & first_ok[None, :], other=0.0)
+        for k0 in range(BLOCK_K if PEEL else 0, K, BLOCK_K):
             k = k0 + rk
             k_ok = k < K
-            w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0)  # int8 [BK, BN]
+            w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0)  # [BK, BN]
             x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
             acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PREC)
+        if PEEL:
+            acc += tl.dot(x_first, w_first, input_precision=DOT_PREC)
     pdl_release(PDL)  # why after the loop: see pdl.py
     if SCALED:
         acc *= (tl.load(scale_ptr + rn, mask=n_ok, other=0.0) * scale_factor)[None, :]
@@ -185,4 +197,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T in x's dtype: see ``reference.dense_linear``."""
     if not few_row_product(x, weight) or triton.cdiv(weight.shape[0], DENSE_TILES[1]) > _num_sms(x.device):
         return torch.nn.functional.linear(x, weight)
-    return weight_only_linear(x, weight, None, None, False, DENSE_TILES)
+    bm, bn, bk, warps, stages = DENSE_TILES
+    # why half the K step for 4-byte values: their stages and the first tile held apart (the kernel's
+    # PEEL) would not fit in shared memory
+    tiles = (bm, bn, bk * 2 // max(x.element_size(), 2), warps, stages)
+    return weight_only_linear(x, weight, None, None, False, tiles)
