@@ -26,7 +26,7 @@ from .pdl import pdl_launch, pdl_release, pdl_wait
 from .reference import split_qkv
 from .triton_attention import _dot_precision
 from .triton_pointwise import act_and_mul_values, gelu_tanh_and_mul, rotary_kv_append, silu_and_mul
-from .triton_quant import few_row_product, gemm_tile
+from .triton_quant import few_row_product, gemm_tile, k_step
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the gated product: BLOCK_N columns of gate and as many
 # of up per program; the fastest of 18 shapes at one row of Llama-3-8B's gate_up on an H200 (56.8 us
@@ -112,10 +112,9 @@ QKV_ROTARY_TILES = (16, 32, 256, 4, 4)
 
 
 def _qkv_rotary_tiles(element_size: int, half: int) -> tuple[int, int, int, int, int]:
-    """``QKV_ROTARY_TILES`` fitted to the problem: no wider than half a head, and half the K step for
-    4-byte values (their stages would not fit in shared memory)."""
+    """``QKV_ROTARY_TILES`` fitted to the problem: no wider than half a head, the K step by ``k_step``."""
     bm, bn, bk, warps, stages = QKV_ROTARY_TILES
-    return bm, min(bn, half), bk * 2 // max(element_size, 2), warps, stages
+    return bm, min(bn, half), k_step(bk, element_size), warps, stages
 
 
 @triton.jit(do_not_specialize=["M"])

@@ -198,7 +198,11 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if not few_row_product(x, weight) or triton.cdiv(weight.shape[0], DENSE_TILES[1]) > _num_sms(x.device):
         return torch.nn.functional.linear(x, weight)
     bm, bn, bk, warps, stages = DENSE_TILES
-    # why half the K step for 4-byte values: their stages and the first tile held apart (the kernel's
-    # PEEL) would not fit in shared memory
-    tiles = (bm, bn, bk * 2 // max(x.element_size(), 2), warps, stages)
+    tiles = (bm, bn, k_step(bk, x.element_size()), warps, stages)
     return weight_only_linear(x, weight, None, None, False, tiles)
+
+
+def k_step(block_k: int, element_size: int) -> int:
+    """A few-row GEMM's K step, given for 16-bit values: half as wide for 4-byte ones, whose stages and
+    first tile held apart (see ``_weight_only_gemm_kernel``) would not fit in shared memory."""
+    return block_k * 2 // max(element_size, 2)

@@ -234,7 +234,7 @@ def test_act_and_mul_fp8_is_the_activation_then_the_per_token_quantizer(
 
 
 @needs_triton
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float32] if ON_GPU else DTYPES)  # fp32: a smaller K step
 @pytest.mark.parametrize("rows", [1, 7, 16, 17])
 def test_dense_linear_is_the_plain_product(dtype: torch.dtype, rows: int, monkeypatch) -> None:
     """Few rows and a narrow output run the single-launch Triton GEMM, the rest cuBLAS; both are x W^T."""
@@ -243,7 +243,8 @@ def test_dense_linear_is_the_plain_product(dtype: torch.dtype, rows: int, monkey
     launches = []
     kernel = triton_quant.weight_only_linear
     monkeypatch.setattr(triton_quant, "weight_only_linear", lambda *a: launches.append(a) or kernel(*a))
-    n, k = (4096, 14336) if ON_GPU else (64, 96)  # one 32-row weight slice per SM at most
+    # one 32-row weight slice per SM at most; on the CPU, K spans K steps, the last one partial
+    n, k = (4096, 14336) if ON_GPU else (64, 600)
     x = torch.randn(rows, k, device=DEVICE).to(dtype)
     weight = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
     torch.testing.assert_close(
@@ -253,9 +254,9 @@ def test_dense_linear_is_the_plain_product(dtype: torch.dtype, rows: int, monkey
     assert len(launches) == (rows <= triton_quant.DENSE_MAX_ROWS)
 
 
-# (hidden, intermediate) of the fused gate_up: Llama-3-8B on the GPU; on the CPU an intermediate size
-# that leaves the last tile partial
-GATED_SHAPE = (4096, 14336) if ON_GPU else (128, 80)
+# (hidden, intermediate) of the fused gate_up: Llama-3-8B on the GPU; on the CPU sizes that leave the
+# last tile of each partial (the first K tile is multiplied apart from the loop: see pdl.py)
+GATED_SHAPE = (4096, 14336) if ON_GPU else (300, 80)
 
 
 def _small_integers(*shape: int, dtype: torch.dtype) -> torch.Tensor:
@@ -265,7 +266,7 @@ def _small_integers(*shape: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 @needs_triton
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float32] if ON_GPU else DTYPES)
 @pytest.mark.parametrize("op", ["silu_and_mul", "gelu_tanh_and_mul"])
 @pytest.mark.parametrize("rows", [1, 7, 16, 17])  # 17: past DENSE_MAX_ROWS, the unfused ops
 def test_linear_act_and_mul_is_the_product_then_the_activation(dtype: torch.dtype, op: str, rows: int) -> None:
@@ -312,8 +313,9 @@ ROTARY_TOL = {
     torch.float16: {"atol": 1e-3, "rtol": 2e-3},
     torch.bfloat16: {"atol": 1e-2, "rtol": 1.6e-2},
 }
-# (hidden, query heads, KV heads, head size) of the fused q/k/v: Llama-3-8B on the GPU
-QKV_SHAPE = (4096, 32, 8, 128) if ON_GPU else (64, 4, 2, 32)
+# (hidden, query heads, KV heads, head size) of the fused q/k/v: Llama-3-8B on the GPU; on the CPU a
+# hidden size over more than one K step, the last partial
+QKV_SHAPE = (4096, 32, 8, 128) if ON_GPU else (300, 4, 2, 32)
 
 
 def _cos_sin(max_positions: int, head_dim: int) -> torch.Tensor:
