@@ -2,7 +2,7 @@
 few-row 16-bit GEMMs (``dense_linear``; from ``triton_fused_linear``, gate_up with its activation and
 q/k/v with rotary and the KV append), and the FP6 e3m2 format itself.
 
-On CUDA: Llama-like shapes in bf16/fp16. On the CPU: Triton's interpreter at tiny shapes, with row
+On CUDA: Llama-like shapes in bf16/fp16 (the few-row GEMMs in fp32 too). On the CPU: Triton's interpreter at tiny shapes, with row
 counts that reach each tile configuration (1, 16 < M <= 64, M > 64).
 """
 
