@@ -2,8 +2,9 @@
 few-row 16-bit GEMMs (``dense_linear``; from ``triton_fused_linear``, gate_up with its activation and
 q/k/v with rotary and the KV append), and the FP6 e3m2 format itself.
 
-On CUDA: Llama-like shapes in bf16/fp16 (the few-row GEMMs in fp32 too). On the CPU: Triton's interpreter at tiny shapes, with row
-counts that reach each tile configuration (1, 16 < M <= 64, M > 64).
+On CUDA: Llama-like shapes in bf16/fp16 (the few-row GEMMs in fp32 too). On the CPU: Triton's
+interpreter at tiny shapes, with row counts that reach each tile configuration (1, 16 < M <= 64,
+M > 64).
 """
 
 from __future__ import annotations
@@ -254,8 +255,8 @@ def test_dense_linear_is_the_plain_product(dtype: torch.dtype, rows: int, monkey
     assert len(launches) == (rows <= triton_quant.DENSE_MAX_ROWS)
 
 
-# (hidden, intermediate) of the fused gate_up: Llama-3-8B on the GPU; on the CPU sizes that leave the
-# last tile of each partial (the first K tile is multiplied apart from the loop: see pdl.py)
+# (hidden, intermediate) of the fused gate_up: Llama-3-8B on the GPU; on the CPU a hidden size over
+# several K steps and an intermediate size, each leaving its last tile partial
 GATED_SHAPE = (4096, 14336) if ON_GPU else (300, 80)
 
 
