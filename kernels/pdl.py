@@ -18,9 +18,10 @@ loads its weight, and rotary and the decode attention their metadata, while the 
 is still running (batch-1 on one H200, ``bench/gpu_benchmark.py --only latency``: bf16 4.30 -> 4.26
 ms/token, fp8 3.20 -> 3.13); anything a kernel writes, and any activation, comes after the wait.
 The few-row 16-bit GEMMs read their first K tile of the weight before the wait and multiply it after
-their main loop (bf16 4.27 -> 4.22). Multiplied before the loop, it held back the loop's first loads
-(4.32 against 4.27). The same in the int8 kernel (3.63 -> 3.81) and the fp8 GEMM (3.13 -> 3.66) made them
-slower, so they stream every tile after the wait.
+their main loop (same command: bf16 4.27 -> 4.22). Multiplied before the loop, it held back the
+loop's first loads (4.32 against 4.27). The same in the int8 kernel (``--quantization-mode int8``:
+3.63 -> 3.81) and the fp8 GEMM (``--quantization-mode fp8``: 3.13 -> 3.66) made them slower, so they
+stream every tile after the wait.
 
 It is on wherever it is supported, except in a process that built a model with weight-only int8 or
 FP6 linears (``off_for_weight_only_models``); ``MII_SERVER_PDL=1`` / ``0`` forces it on or off. By
