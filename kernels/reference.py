@@ -20,8 +20,8 @@ from .reference_quant import Fp8Rows, fp6_linear, fp8_linear, int8_linear, quant
 __all__ = [
     "argmax_rows", "dense_linear", "fp6_linear", "fp8_linear", "gelu_tanh_and_mul", "gelu_tanh_and_mul_fp8",
     "int8_linear", "kv_append", "linear_gelu_tanh_and_mul", "linear_rotary_kv_append", "linear_silu_and_mul",
-    "paged_attention", "quantize_fp8_per_token", "rms_norm", "rms_norm_fp8", "rotary_embedding",
-    "rotary_kv_append", "silu_and_mul", "silu_and_mul_fp8", "split_qkv",
+    "logits_linear", "paged_attention", "quantize_fp8_per_token", "rms_norm", "rms_norm_fp8",
+    "rotary_embedding", "rotary_kv_append", "silu_and_mul", "silu_and_mul_fp8", "split_qkv",
 ]  # fmt: skip
 
 
@@ -61,6 +61,12 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, K] @ weight [N, K]^T -> [T, N] in x's dtype (an unquantized linear without bias)."""
     return F.linear(x, weight)
+
+
+def logits_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The LM head: x [T, K] @ weight [N, K]^T -> float32 [T, N], the product rounded to x's dtype
+    first (as transformers computes logits in the model's dtype; the sampler reads float32)."""
+    return F.linear(x, weight).float()
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

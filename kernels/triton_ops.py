@@ -5,11 +5,10 @@
 KV append), ``triton_attention`` (ragged paged attention: a split-K decode kernel and a ragged prefill
 kernel behind one dispatch, with sliding windows and logit soft-capping), ``triton_moe`` (the fused
 mixture-of-experts router and MLP: tokens sorted by expert, one grouped GEMM per projection),
-``triton_quant`` (int8 and FP6 weight-only GEMMs, and the few-row dense GEMM), ``triton_fused_linear``
-(a gated MLP's gate and up products with the activation in their epilogue, and q/k/v with rotary and
-the KV append in theirs), ``triton_fp8``
-(fp8 activation quantization and GEMMs) and ``triton_argmax`` (the sampler's row-wise argmax, spread
-over the GPU).
+``triton_quant`` (int8 and FP6 weight-only GEMMs, and the few-row dense GEMM and LM head),
+``triton_fused_linear`` (a gated MLP's gate and up products with the activation in their epilogue, and
+q/k/v with rotary and the KV append in theirs), ``triton_fp8`` (fp8 activation quantization and GEMMs)
+and ``triton_argmax`` (the sampler's row-wise argmax, spread over the GPU).
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from .triton_pointwise import (
     silu_and_mul,
     silu_and_mul_fp8,
 )
-from .triton_quant import dense_linear, fp6_linear, int8_linear
+from .triton_quant import dense_linear, fp6_linear, int8_linear, logits_linear
 
 __all__ = [
     "argmax_rows",
@@ -44,6 +43,7 @@ __all__ = [
     "linear_gelu_tanh_and_mul",
     "linear_rotary_kv_append",
     "linear_silu_and_mul",
+    "logits_linear",
     "moe_route",
     "paged_attention",
     "quantize_fp8_per_token",

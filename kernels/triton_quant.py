@@ -62,7 +62,8 @@ def _weight_only_gemm_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, scale_factor,
     FP6: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    ROUND_TO_X: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     rm, rn, m_ok, n_ok = gemm_tile(M, N, BLOCK_M, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -115,6 +116,8 @@ def _weight_only_gemm_kernel(
     pdl_release(PDL)  # why after the loop: see pdl.py
     if SCALED:
         acc *= (tl.load(scale_ptr + rn, mask=n_ok, other=0.0) * scale_factor)[None, :]
+    if ROUND_TO_X:  # logits: rounded where the product in x's dtype would be, stored in a wider dtype
+        acc = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
     store_gemm_tile(acc, out_ptr, bias_ptr, rm, rn, m_ok, n_ok, stride_om, HAS_BIAS)
 
 
@@ -131,19 +134,22 @@ def _tiles(m: int, fp6: bool) -> tuple[int, int, int, int, int]:
 
 def weight_only_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, fp6: bool,
-    tiles: tuple[int, int, int, int, int] | None = None,
+    tiles: tuple[int, int, int, int, int] | None = None, out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x @ (weight * scale)^T + bias, the weight int8 or 16-bit (``fp6``: packed FP6 codes; ``scale``
     None: a 16-bit weight used as it is). ``tiles``: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
-    instead of ``_tiles``' choice."""
+    instead of ``_tiles``' choice. ``out_dtype`` (float32, for logits, without a bias): the product
+    rounded to x's dtype, stored in this one (x's dtype if None)."""
     m, k = x.shape
     n = weight.shape[0]
     assert scale is None or scale.shape == (n, 1), "weight-only kernels take one scale per output channel"
+    out_dtype = out_dtype or x.dtype
+    assert out_dtype == x.dtype or bias is None, "the bias would be added before the rounding to x's dtype"
     if m >= DEQUANT_MIN_ROWS:
         w = weight if scale is None else dequantize_weight(weight, scale, x.dtype)
-        return torch.nn.functional.linear(x, w, bias)
+        return torch.nn.functional.linear(x, w, bias).to(out_dtype)
     assert x.stride(-1) == 1 and weight.stride(-1) == 1, "the last dimension must be contiguous"
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0:
         return out
     bm, bn, bk, warps, stages = tiles or _tiles(m, fp6)
@@ -152,7 +158,8 @@ def weight_only_linear(
         x, weight, scale if scale is not None else x, bias if bias is not None else x, out,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), FP6_FP16_FACTOR if fp6 else 1.0,
         FP6=fp6, SCALED=scale is not None, HAS_BIAS=bias is not None, DOT_PREC=_dot_precision(x.dtype),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **pdl_launch(x.device),
+        ROUND_TO_X=out_dtype != x.dtype, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+        num_stages=stages, **pdl_launch(x.device),
     )  # fmt: skip
     return out
 
@@ -200,6 +207,24 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     bm, bn, bk, warps, stages = DENSE_TILES
     tiles = (bm, bn, k_step(bk, x.element_size()), warps, stages)
     return weight_only_linear(x, weight, None, None, False, tiles)
+
+
+# logits_linear's tiles: 128-column slices, many waves of them (the head has ~4,000 at 32k-plus
+# vocabularies). Llama-3-8B's head (128,256 x 4,096) at one row on an H200: 232 us against 242 for
+# cuBLAS and the float cast (bench/kernels_bench.py --no-attention --logits --sweep logits)
+LOGITS_TILES = (16, 128, 128, 4, 3)
+
+
+def logits_linear(
+    x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, int, int, int] | None = None
+) -> torch.Tensor:
+    """float32 logits of x [M, K] @ weight [N, K]^T: see ``reference.logits_linear``. ``tiles``:
+    instead of ``LOGITS_TILES`` (for the tile sweep)."""
+    if not few_row_product(x, weight):
+        return torch.nn.functional.linear(x, weight).float()
+    bm, bn, bk, warps, stages = tiles or LOGITS_TILES
+    tiles = (bm, bn, k_step(bk, x.element_size()), warps, stages)
+    return weight_only_linear(x, weight, None, None, False, tiles, out_dtype=torch.float32)
 
 
 def k_step(block_k: int, element_size: int) -> int:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..kernels import reference
 from .parallel import TensorParallelGroup
 
 
@@ -144,10 +145,20 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Output projection to the vocabulary, split like the embedding; logits gathered in full."""
+    """Output projection to the vocabulary, split like the embedding; logits gathered in full.
+
+    ``ops``: the product runs in ``ops.logits_linear`` (for decode's few rows on the GPU, one launch
+    that writes the float32 logits, where cuBLAS's product is followed by a cast); without, in
+    ``reference.logits_linear``."""
+
+    def __init__(
+        self, vocab_size: int, hidden: int, tp: TensorParallelGroup, dtype: torch.dtype, ops: Any = None
+    ) -> None:
+        super().__init__(vocab_size, hidden, tp, dtype)
+        self._logits = reference.logits_linear if ops is None else ops.logits_linear
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> float32 [S, vocab]
-        logits = nn.functional.linear(hidden, self.weight).float()
+        logits = self._logits(hidden, self.weight)
         return self.tp.all_gather_last_dim(logits)[:, : self.vocab_size]
 
 

@@ -227,7 +227,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp, dtype)
         self.layers = nn.ModuleList(self.make_layer(spec, i, tp, dtype, ops) for i in range(spec.num_layers))
         self.norm = self.norm_cls(spec.hidden_size, spec.rms_norm_eps, dtype, ops)
-        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tp, dtype)
+        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tp, dtype, ops)
         cos_sin = (
             rope_cos_sin_cache(spec.rotary_dim, spec.max_positions, spec.rope_theta, spec.rope_scaling)
             if spec.rotary_dim

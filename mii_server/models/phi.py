@@ -19,8 +19,10 @@ from .spec import ArchitectureSpec
 class BiasedLMHead(ParallelLMHead):
     """The LM head plus a bias over the whole vocabulary (replicated: it is added after the gather)."""
 
-    def __init__(self, vocab_size: int, hidden: int, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
-        super().__init__(vocab_size, hidden, tp, dtype)
+    def __init__(
+        self, vocab_size: int, hidden: int, tp: TensorParallelGroup, dtype: torch.dtype, ops: Any = None
+    ) -> None:
+        super().__init__(vocab_size, hidden, tp, dtype, ops)
         self.bias = nn.Parameter(torch.zeros(vocab_size, dtype=dtype), requires_grad=False)
         self.bias.weight_loader = lambda p, s, shard_id=0: _copy(p, s[:])  # type: ignore[attr-defined]
 
@@ -55,4 +57,4 @@ class PhiForCausalLM(LlamaForCausalLM):
 
     def __init__(self, spec: ArchitectureSpec, tp: TensorParallelGroup, dtype: torch.dtype, ops: Any) -> None:
         super().__init__(spec, tp, dtype, ops)
-        self.lm_head = BiasedLMHead(spec.vocab_size, spec.hidden_size, tp, dtype)
+        self.lm_head = BiasedLMHead(spec.vocab_size, spec.hidden_size, tp, dtype, ops)

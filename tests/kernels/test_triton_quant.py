@@ -255,6 +255,35 @@ def test_dense_linear_is_the_plain_product(dtype: torch.dtype, rows: int, monkey
     assert len(launches) == (rows <= triton_quant.DENSE_MAX_ROWS)
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float32] if ON_GPU else DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 16, 17])
+def test_logits_linear_rounds_the_product_to_the_model_dtype(dtype: torch.dtype, rows: int, monkeypatch) -> None:
+    """The LM head: float32 logits holding the product rounded to x's dtype, as a product in x's dtype
+    cast to float32 (transformers' logits) holds it; few rows in one Triton launch, the rest cuBLAS."""
+    from mii_server.kernels import triton_quant
+
+    launches = []
+    kernel = triton_quant.weight_only_linear
+    monkeypatch.setattr(triton_quant, "weight_only_linear", lambda *a, **kw: launches.append(a) or kernel(*a, **kw))
+    # a vocabulary over many 128-column slices, the last one partial; K over several K steps
+    n, k = (32003, 4096) if ON_GPU else (300, 600)
+    # non-negative integers: every sum is exact in float32 whatever the order, and large enough that
+    # rounding to a 16-bit dtype changes it, so the comparison below is exact
+    x = torch.randint(0, 4, (rows, k), device=DEVICE).to(dtype)
+    weight = torch.randint(0, 8, (n, k), device=DEVICE).to(dtype)
+    exact = torch.nn.functional.linear(x.double(), weight.double())
+    got = triton_quant.logits_linear(x, weight)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    assert len(launches) == (rows <= triton_quant.DENSE_MAX_ROWS)
+    if launches:
+        assert torch.equal(got, exact.to(dtype).float())
+        if dtype != torch.float32:
+            assert not torch.equal(got, exact.float()), "the sums must be ones the rounding changes"
+    else:  # cuBLAS's product, which may sum split-K partials in the 16-bit dtype, cast to float32
+        assert torch.equal(got, torch.nn.functional.linear(x, weight).float())
+
+
 # (hidden, intermediate) of the fused gate_up: Llama-3-8B on the GPU; on the CPU a hidden size over
 # several K steps and an intermediate size, each leaving its last tile partial
 GATED_SHAPE = (4096, 14336) if ON_GPU else (300, 80)
