@@ -12,6 +12,8 @@
 - ``--fused``: gate_up with its activation in one launch (``triton_fused_linear``) against cuBLAS then
   the activation kernel, and q/k/v with rotary and the KV append against cuBLAS then
   ``rotary_kv_append``; ``--sweep fused`` also times every tile shape of both fused kernels.
+- ``--logits``: the LM head writing float32 logits in one launch (``triton_quant.logits_linear``)
+  against cuBLAS then the float cast; ``--sweep logits`` also times every tile shape.
 - ``--argmax``: the sampler's greedy argmax over a 128,256-entry vocabulary at 1-256 rows, torch's
   against ours (``triton_argmax``), each checked against the other first.
 - ``--blas``: Llama-3-8B's linear layers at 1, 256 and 8192 rows through cuBLAS and cuBLASLt, against
@@ -459,6 +461,22 @@ def bench_fused_qkv_rotary(rows_list: tuple[int, ...], sweep: bool) -> list[dict
     return out
 
 
+LOGITS_TILES = [
+    (16, bn, bk, 4, stages) for bn in (32, 64, 128, 256) for bk in (64, 128, 256) for stages in (2, 3, 4)
+] + [(16, 64, 256, 8, 3), (16, 128, 128, 8, 4)]
+
+
+def bench_logits(rows_list: tuple[int, ...], sweep: bool) -> list[dict]:
+    """Llama-3-8B's LM head to float32 logits: ``triton_quant.logits_linear`` against cuBLAS then the
+    float cast (``reference.logits_linear``), microseconds per head; ``sweep``: every tile shape."""
+    def ours(x, weight, tiles):
+        return triton_quant.logits_linear(x, weight, tiles)
+
+    tiles = LOGITS_TILES if sweep else []
+    return [_sweep_fused("logits", m, LINEAR_SHAPES["lm_head"], reference.logits_linear, ours, tiles)
+            for m in rows_list]  # fmt: skip
+
+
 def bench_argmax(vocab: int = 128256) -> list[dict]:
     """torch's row-wise argmax against ``triton_argmax.argmax_rows`` on float32 logits: launched as the
     sampler launches them (``do_bench``) and on the device alone (replayed in a CUDA graph)."""
@@ -492,7 +510,7 @@ def _fp8(q, x_scale, scale, weight, tiles):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--sweep", nargs="*", choices=["decode", "prefill", "gemm", "fused"], default=None,
+        "--sweep", nargs="*", choices=["decode", "prefill", "gemm", "fused", "logits"], default=None,
         help="also time other tile configurations of these kernels (both when given bare)",
     )  # fmt: skip
     parser.add_argument("--block-size", type=int, nargs="+", default=[16], help="KV cache block sizes")
@@ -502,8 +520,9 @@ def main() -> None:
     parser.add_argument(
         "--gemm", action="store_true", help="the linears at decode's few rows: cuBLAS against our GEMMs"
     )
-    parser.add_argument("--gemm-rows", type=int, nargs="+", default=[1, 16], help="rows of --gemm / --sweep gemm")
+    parser.add_argument("--gemm-rows", type=int, nargs="+", default=[1, 16], help="rows of --gemm, --fused and --logits")
     parser.add_argument("--fused", action="store_true", help="also time the fused gate_up and q/k/v kernels against the unfused")
+    parser.add_argument("--logits", action="store_true", help="also time the LM head, cuBLAS and the cast against ours")
     parser.add_argument("--argmax", action="store_true", help="also time the sampler's argmax, torch against ours")
     parser.add_argument(
         "--decode-shape", type=int, nargs=2, default=[64, 2048], metavar=("BATCH", "CONTEXT"),
@@ -528,6 +547,8 @@ def main() -> None:
     if args.fused:
         rows += bench_fused_gate_up(tuple(args.gemm_rows), "fused" in (args.sweep or ()))
         rows += bench_fused_qkv_rotary(tuple(args.gemm_rows), "fused" in (args.sweep or ()))
+    if args.logits or "logits" in (args.sweep or ()):
+        rows += bench_logits(tuple(args.gemm_rows), "logits" in (args.sweep or ()))
     if args.argmax:
         rows += bench_argmax()
     if args.blas:
