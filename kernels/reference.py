@@ -18,10 +18,11 @@ from .metadata import AttentionMetadata
 from .reference_quant import Fp8Rows, fp6_linear, fp8_linear, int8_linear, quantize_fp8_per_token
 
 __all__ = [
-    "argmax_rows", "dense_linear", "fp6_linear", "fp8_linear", "gelu_tanh_and_mul", "gelu_tanh_and_mul_fp8",
-    "int8_linear", "kv_append", "linear_gelu_tanh_and_mul", "linear_rotary_kv_append", "linear_silu_and_mul",
-    "logits_linear", "paged_attention", "quantize_fp8_per_token", "rms_norm", "rms_norm_fp8",
-    "rotary_embedding", "rotary_kv_append", "silu_and_mul", "silu_and_mul_fp8", "split_qkv",
+    "argmax_rows", "dense_linear", "fp6_linear", "fp8_linear", "fp8_linear_rotary_kv_append",
+    "gelu_tanh_and_mul", "gelu_tanh_and_mul_fp8", "int8_linear", "kv_append", "linear_gelu_tanh_and_mul",
+    "linear_rotary_kv_append", "linear_silu_and_mul", "logits_linear", "paged_attention",
+    "quantize_fp8_per_token", "rms_norm", "rms_norm_fp8", "rotary_embedding", "rotary_kv_append",
+    "silu_and_mul", "silu_and_mul_fp8", "split_qkv",
 ]  # fmt: skip
 
 
@@ -177,6 +178,26 @@ def linear_rotary_kv_append(
     heads, D each; Hk and D read from ``k_cache``), then ``rotary_kv_append``. Returns the rotated q
     [T, Hq, D]. The Triton twin does it in one launch for decode's few rows."""
     q, k, v = split_qkv(F.linear(x, weight, bias), k_cache.shape[2], k_cache.shape[3])
+    return rotary_kv_append(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+
+
+def fp8_linear_rotary_kv_append(
+    x: torch.Tensor | Fp8Rows,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    gemm: str = "auto",
+) -> torch.Tensor:
+    """``linear_rotary_kv_append`` with an fp8 weight: ``fp8_linear`` (x quantized per token, or given
+    as ``Fp8Rows``), then ``rotary_kv_append``. The Triton twin does it in one launch for decode's few
+    rows."""
+    qkv = fp8_linear(x, weight, scale, bias, gemm)
+    q, k, v = split_qkv(qkv, k_cache.shape[2], k_cache.shape[3])
     return rotary_kv_append(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
 
 

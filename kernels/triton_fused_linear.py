@@ -1,5 +1,5 @@
 """Few-row products with the step after them in their epilogue: a gated MLP's gate and up with its
-activation, and an attention layer's q/k/v with rotary and the KV-cache append.
+activation, and an attention layer's q/k/v with rotary and the KV-cache append (16-bit or fp8 weights).
 
 At a few rows a product only reads its weight, and the activation launch after it costs a few
 microseconds of launch and ramp for a few kilobytes of work. ``linear_silu_and_mul`` /
@@ -24,7 +24,9 @@ import triton.language as tl
 
 from .pdl import pdl_launch, pdl_release, pdl_wait
 from .reference import split_qkv
+from .reference_quant import Fp8Rows
 from .triton_attention import _dot_precision
+from .triton_fp8 import FP8_MMA_K, TRITON_MAX_ROWS, fp8_linear, quantize_fp8_per_token
 from .triton_pointwise import act_and_mul_values, gelu_tanh_and_mul, rotary_kv_append, silu_and_mul
 from .triton_quant import few_row_product, gemm_tile, k_step
 
@@ -119,15 +121,17 @@ def _qkv_rotary_tiles(element_size: int, half: int) -> tuple[int, int, int, int,
 
 @triton.jit(do_not_specialize=["M"])
 def _linear_rotary_kv_append_kernel(
-    x_ptr, w_ptr, bias_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slot_ptr, cos_sin_ptr,
-    M, K, stride_xm, stride_wn, stride_qt, stride_qh,
+    x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slot_ptr,
+    cos_sin_ptr, M, K, stride_xm, stride_wn, stride_ws, stride_qt, stride_qh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_cos_sin,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, FP8: tl.constexpr, DOT_PREC: tl.constexpr, PROMOTE_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """A program owns BLOCK_N columns of one half of one head and the same columns of its other half
-    (the pairs rotary mixes), for BLOCK_M rows; heads run q, then k, then v, as the packed weight's rows."""
+    (the pairs rotary mixes), for BLOCK_M rows; heads run q, then k, then v, as the packed weight's rows.
+    ``FP8``: x and the weight are fp8, x with a scale per row (``x_scale_ptr``) and the weight one per
+    output channel (``w_scale_ptr``), applied as the fp8 GEMM applies them (``triton_fp8``)."""
     tiles_per_half: tl.constexpr = HALF // BLOCK_N
     head = tl.program_id(0) // tiles_per_half
     c = (tl.program_id(0) % tiles_per_half) * BLOCK_N + tl.arange(0, BLOCK_N)  # columns within a half
@@ -139,26 +143,41 @@ def _linear_rotary_kv_append_kernel(
     second_cols = first_cols + HALF * stride_wn
     acc_first = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_second = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    # why the first K tile apart: see triton_quant._weight_only_gemm_kernel
-    tile0_first = tl.load(first_cols + rk[:, None], mask=(rk < K)[:, None], other=0.0)  # [BK, BN]
-    tile0_second = tl.load(second_cols + rk[:, None], mask=(rk < K)[:, None], other=0.0)
+    # why the first K tile apart: see triton_quant._weight_only_gemm_kernel (fp8 weights stream every
+    # tile, as the fp8 GEMM does: held apart, it was slower there)
+    PEEL: tl.constexpr = not FP8
+    if PEEL:
+        tile0_first = tl.load(first_cols + rk[:, None], mask=(rk < K)[:, None], other=0.0)  # [BK, BN]
+        tile0_second = tl.load(second_cols + rk[:, None], mask=(rk < K)[:, None], other=0.0)
     pdl_wait(PDL)
-    x_tile0 = tl.load(x_rows + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :], other=0.0)  # [BM, BK]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    if PEEL:
+        x_tile0 = tl.load(x_rows + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :], other=0.0)  # [BM, BK]
+    for k0 in range(BLOCK_K if PEEL else 0, K, BLOCK_K):
         k = k0 + rk
         k_ok = k < K
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
         w_first = tl.load(first_cols + k[:, None], mask=k_ok[:, None], other=0.0)  # [BK, BN]
         w_second = tl.load(second_cols + k[:, None], mask=k_ok[:, None], other=0.0)
-        acc_first = tl.dot(x, w_first, acc_first, input_precision=DOT_PREC)
-        acc_second = tl.dot(x, w_second, acc_second, input_precision=DOT_PREC)
-    acc_first = tl.dot(x_tile0, tile0_first, acc_first, input_precision=DOT_PREC)
-    acc_second = tl.dot(x_tile0, tile0_second, acc_second, input_precision=DOT_PREC)
+        if FP8:  # why max_num_imprecise_acc: see triton_fp8._fp8_gemm_kernel
+            acc_first = tl.dot(x, w_first, acc_first, max_num_imprecise_acc=PROMOTE_K)
+            acc_second = tl.dot(x, w_second, acc_second, max_num_imprecise_acc=PROMOTE_K)
+        else:
+            acc_first = tl.dot(x, w_first, acc_first, input_precision=DOT_PREC)
+            acc_second = tl.dot(x, w_second, acc_second, input_precision=DOT_PREC)
+    if PEEL:
+        acc_first = tl.dot(x_tile0, tile0_first, acc_first, input_precision=DOT_PREC)
+        acc_second = tl.dot(x_tile0, tile0_second, acc_second, input_precision=DOT_PREC)
     pdl_release(PDL)  # why after the loop: see pdl.py
+    if FP8:  # the fp8 GEMM's epilogue: the weight's scale of each column, then the row's
+        acc_first = acc_first * tl.load(w_scale_ptr + (head * 2 * HALF + c) * stride_ws)[None, :]
+        acc_second = acc_second * tl.load(w_scale_ptr + (head * 2 * HALF + HALF + c) * stride_ws)[None, :]
+        x_scale = tl.load(x_scale_ptr + rm, mask=m_ok, other=0.0)[:, None]
+        acc_first = acc_first * x_scale
+        acc_second = acc_second * x_scale
     if HAS_BIAS:
         acc_first += tl.load(bias_ptr + head * 2 * HALF + c).to(tl.float32)[None, :]
         acc_second += tl.load(bias_ptr + head * 2 * HALF + HALF + c).to(tl.float32)[None, :]
-    dtype = x_ptr.dtype.element_ty
+    dtype = q_ptr.dtype.element_ty
     # why the casts: the unfused product stores q/k/v in the input dtype, and rotary rounds to it again
     first = acc_first.to(dtype)
     second = acc_second.to(dtype)
@@ -205,31 +224,98 @@ def linear_rotary_kv_append(
     """See ``reference.linear_rotary_kv_append``. One launch for few rows of whole-head rotary (the
     q/k/v product rounded where it stores, rotary rounded where it rounds); any other case runs the
     product, then ``rotary_kv_append``. ``tiles``: instead of ``QKV_ROTARY_TILES`` (the tile sweep)."""
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    num_q_heads = weight.shape[0] // head_dim - 2 * num_kv_heads
-    half = head_dim // 2
-    bm, bn, bk, warps, stages = tiles or _qkv_rotary_tiles(x.element_size(), half)
+    half = k_cache.shape[3] // 2
+    tiles = tiles or _qkv_rotary_tiles(x.element_size(), half)
+    if not (few_row_product(x, weight) and _rotary_fits(tiles, cos_sin_cache, k_cache, v_cache)):
+        q, k, v = split_qkv(torch.nn.functional.linear(x, weight, bias), k_cache.shape[2], k_cache.shape[3])
+        return rotary_kv_append(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    rest = (positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    return _launch_qkv_rotary(x, weight, None, None, bias, *rest, tiles, x.dtype)
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of fp8 q/k/v with rotary: the fastest of the 27 shapes tried
+# at one row of Llama-3-8B's q/k/v on an H200, 9.6 us against 11.5 for the fp8 GEMM
+# and rotary_kv_append (16-column halves, as the GEMM's 32-row slices, took 16.5)
+# (bench/kernels_bench.py --no-attention --fused --sweep fused --gemm-rows 1)
+FP8_QKV_ROTARY_TILES = (16, 32, 512, 4, 4)
+
+
+def fp8_linear_rotary_kv_append(
+    x: torch.Tensor | Fp8Rows,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    gemm: str = "auto",
+    tiles: tuple[int, int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """See ``reference.fp8_linear_rotary_kv_append``. One launch where ``fp8_linear`` would run its
+    Triton GEMM (few rows) on a weight with one scale per output channel: the product scaled and
+    rounded as that GEMM stores it, then rotary and the append as in ``linear_rotary_kv_append``; any
+    other case runs ``fp8_linear``, then ``rotary_kv_append``. ``tiles``: instead of
+    ``FP8_QKV_ROTARY_TILES`` (the tile sweep)."""
+    q8, x_scale, dtype = x if isinstance(x, Fp8Rows) else (*quantize_fp8_per_token(x), x.dtype)
+    half = k_cache.shape[3] // 2
+    bm, bn, bk, warps, stages = tiles or FP8_QKV_ROTARY_TILES
+    tiles = (bm, min(bn, half), bk, warps, stages)
+    rows = q8.shape[0]
     fused = (
-        few_row_product(x, weight)
-        and cos_sin_cache.shape[-1] == head_dim
+        gemm in ("auto", "triton")
+        and 0 < rows <= TRITON_MAX_ROWS
+        and scale.shape[1] == 1
+        and q8.stride(-1) == 1
+        and weight.stride(-1) == 1
+        and _rotary_fits(tiles, cos_sin_cache, k_cache, v_cache)
+    )
+    if not fused:
+        qkv = fp8_linear(Fp8Rows(q8, x_scale, dtype), weight, scale, bias, gemm)
+        q, k, v = split_qkv(qkv, k_cache.shape[2], k_cache.shape[3])
+        return rotary_kv_append(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    rest = (positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    return _launch_qkv_rotary(q8, weight, x_scale, scale, bias, *rest, tiles, dtype)
+
+
+def _rotary_fits(
+    tiles: tuple[int, int, int, int, int], cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> bool:
+    """Whether the fused kernel's epilogue takes this rotary and cache: whole-head rotary, tiles that
+    divide half a head, contiguous rows."""
+    half, bn = k_cache.shape[3] // 2, tiles[1]
+    return (
+        cos_sin_cache.shape[-1] == 2 * half
         and half % bn == 0
         and bn >= 16  # tl.dot's narrowest tile
         and k_cache.dtype == v_cache.dtype
         and all(t.stride(-1) == 1 for t in (k_cache, v_cache, cos_sin_cache))
     )
-    if not fused:
-        q, k, v = split_qkv(torch.nn.functional.linear(x, weight, bias), num_kv_heads, head_dim)
-        return rotary_kv_append(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+
+
+def _launch_qkv_rotary(
+    x: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
+    bias: torch.Tensor | None, positions: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, slot_mapping: torch.Tensor, tiles: tuple[int, int, int, int, int], dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """One launch of ``_linear_rotary_kv_append_kernel`` (fp8 when given scales); returns q in ``dtype``."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_q_heads = weight.shape[0] // head_dim - 2 * num_kv_heads
+    half = head_dim // 2
+    bm, bn, bk, warps, stages = tiles
     m, k = x.shape
-    q = torch.empty((m, num_q_heads, head_dim), dtype=x.dtype, device=x.device)
+    q = torch.empty((m, num_q_heads, head_dim), dtype=dtype, device=x.device)
+    fp8 = w_scale is not None
     heads = num_q_heads + 2 * num_kv_heads
     _linear_rotary_kv_append_kernel[(heads * (half // bn), triton.cdiv(m, bm))](
-        x, weight, bias if bias is not None else x, q, k_cache, v_cache, positions, slot_mapping, cos_sin_cache,
-        m, k, x.stride(0), weight.stride(0), q.stride(0), q.stride(1),
+        x, weight, x_scale if fp8 else x, w_scale if fp8 else x, bias if bias is not None else x, q,
+        k_cache, v_cache, positions, slot_mapping, cos_sin_cache,
+        m, k, x.stride(0), weight.stride(0), w_scale.stride(0) if fp8 else 0, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), cos_sin_cache.stride(0),
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, BLOCK_SIZE=block_size,
-        HAS_BIAS=bias is not None, DOT_PREC=_dot_precision(x.dtype),
+        HAS_BIAS=bias is not None, FP8=fp8, DOT_PREC=_dot_precision(dtype), PROMOTE_K=min(bk, FP8_MMA_K),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **pdl_launch(x.device),
     )  # fmt: skip
     return q

@@ -16,7 +16,12 @@ from __future__ import annotations
 from .triton_argmax import argmax_rows
 from .triton_attention import paged_attention
 from .triton_fp8 import fp8_linear, quantize_fp8_per_token
-from .triton_fused_linear import linear_gelu_tanh_and_mul, linear_rotary_kv_append, linear_silu_and_mul
+from .triton_fused_linear import (
+    fp8_linear_rotary_kv_append,
+    linear_gelu_tanh_and_mul,
+    linear_rotary_kv_append,
+    linear_silu_and_mul,
+)
 from .triton_moe import fused_moe, moe_route
 from .triton_pointwise import (
     gelu_tanh_and_mul,
@@ -35,6 +40,7 @@ __all__ = [
     "dense_linear",
     "fp6_linear",
     "fp8_linear",
+    "fp8_linear_rotary_kv_append",
     "fused_moe",
     "gelu_tanh_and_mul",
     "gelu_tanh_and_mul_fp8",

@@ -90,17 +90,20 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         qkv_proj = self.qkv_proj
-        if self.rotary and self.q_norm is None and type(qkv_proj) is ColumnParallelLinear:  # not quantized
-            # one op from the normed rows to attention's q (one launch at decode's few rows)
-            q = self.ops.linear_rotary_kv_append(
-                x, qkv_proj.weight, qkv_proj.bias, meta.positions, cos_sin, k_cache, v_cache, meta.slot_mapping
-            )
+        # one op from the normed rows to attention's q (one launch at decode's few rows) where the
+        # rotary is whole-head with no q/k norm between, and the weight is unquantized or fp8
+        fused = self.rotary and self.q_norm is None
+        rotary_args = (meta.positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
+        if fused and type(qkv_proj) is ColumnParallelLinear:  # not quantized
+            q = self.ops.linear_rotary_kv_append(x, qkv_proj.weight, qkv_proj.bias, *rotary_args)
+        elif fused and getattr(qkv_proj, "fp8", False):
+            q = qkv_proj.linear_rotary_kv_append(x, *rotary_args)
         else:
             q, k, v = split_qkv(qkv_proj(x), self.num_kv_heads, d)
             if self.q_norm is not None:
                 q, k = self.q_norm(q)[0], self.k_norm(k)[0]
             if self.rotary:
-                q = self.ops.rotary_kv_append(q, k, v, meta.positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
+                q = self.ops.rotary_kv_append(q, k, v, *rotary_args)
             else:
                 self.ops.kv_append(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale, **self.options)  # [T, Hq, D]

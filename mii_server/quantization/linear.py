@@ -101,6 +101,25 @@ class QuantizedColumnParallelLinear(_QuantizedLinear):
         rows, cols = original.weight.shape
         super().__init__(rows, cols, scheme, ops, original.bias, original.weight.device)
         self.out_shards = original.out_shards
+        self.fp8 = scheme.weight_format == "fp8"
+        fused = functools.partial(ops.fp8_linear_rotary_kv_append, gemm=scheme.fp8_gemm) if self.fp8 else None
+        self._fp8_rotary_kv_append = fused
+
+    def linear_rotary_kv_append(
+        self,
+        x: Any,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """A packed q/k/v of fp8 weights (``fp8``): the product, whole-head rotary and the KV append in
+        one op (``ops.fp8_linear_rotary_kv_append``, one launch at decode's few rows); returns q."""
+        assert self._fp8_rotary_kv_append is not None, "only fp8 weights have the fused q/k/v op"
+        return self._fp8_rotary_kv_append(
+            x, self.weight, self.weight_scale, self.bias, positions, cos_sin_cache, k_cache, v_cache, slot_mapping
+        )
 
     def _rows_of(self, shard_id: int) -> tuple[int, int, int]:
         """(first row here, rows kept, first checkpoint row) of packed output ``shard_id``."""

@@ -401,6 +401,64 @@ def test_linear_rotary_kv_append_is_the_product_then_rotary_and_the_append(
         torch.testing.assert_close(got_part.float(), want_part.float(), **TOL[dtype])
 
 
+@needs_triton
+@pytest.mark.skipif(ON_GPU and not FP8_DEVICE, reason="no fp8 tensor cores")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 16, 17])  # 17: past TRITON_MAX_ROWS, fp8_linear then rotary
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fp8_linear_rotary_kv_append_is_the_fp8_product_then_rotary_and_the_append(
+    dtype: torch.dtype, rows: int, with_bias: bool
+) -> None:
+    """fp8 weights: one launch for few rows, scaled and rounded as the fp8 GEMM stores q/k/v, then
+    rotated and appended as ``rotary_kv_append`` does."""
+    from mii_server.kernels import reference, triton_ops
+    from mii_server.kernels.reference_quant import Fp8Rows
+
+    hidden, hq, hk, d = QKV_SHAPE
+    n = (hq + 2 * hk) * d
+    num_blocks, block_size = 8, 16
+    cos_sin = _cos_sin(4096, d)
+    positions = torch.randint(0, 4096, (rows,), device=DEVICE)
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:rows]
+    slots[rows // 2] = -1
+    caches = [torch.randn(num_blocks, block_size, hk, d, device=DEVICE).to(dtype) for _ in range(2)]
+    # powers of two: the scaled exact sums stay exact, so the fused and unfused epilogues see equal values
+    x_scale = 2.0 ** torch.randint(-3, 2, (rows,), device=DEVICE).float()
+    w_scale = 2.0 ** torch.randint(-3, 2, (n, 1), device=DEVICE).float()
+
+    def run(op, x, weight, bias, scale=w_scale):
+        k_cache, v_cache = (c.clone() for c in caches)
+        q = op(x, weight, scale, bias, positions, cos_sin, k_cache, v_cache, slots)
+        return q, k_cache, v_cache
+
+    def unfused(x, weight, scale, bias, *rest):
+        qkv = triton_ops.fp8_linear(x, weight, scale, bias).view(rows, -1, d)
+        return triton_ops.rotary_kv_append(*qkv.split([hq, hk, hk], dim=1), *rest)
+
+    fp8 = torch.float8_e4m3fn
+    exact_x = Fp8Rows(_small_integers(rows, hidden, dtype=torch.float32).to(fp8), x_scale, dtype)
+    exact_w = _small_integers(n, hidden, dtype=torch.float32).to(fp8)
+    exact_bias = _small_integers(n, dtype=dtype) if with_bias else None
+    got = run(triton_ops.fp8_linear_rotary_kv_append, exact_x, exact_w, exact_bias)
+    assert got[0].shape == (rows, hq, d) and got[0].dtype == dtype
+    want = run(unfused, exact_x, exact_w, exact_bias)
+    assert torch.equal(got[2], want[2])  # v: the same scaled product, rounded once, in its slots
+    for got_part, want_part in zip(got[:2], want[:2]):  # q and k: rotary may contract into FMAs differently
+        torch.testing.assert_close(got_part, want_part, **ROTARY_TOL[dtype])
+
+    # quantized by the reference (the Triton quantizer has its own tests, and the interpreter rounds
+    # to fp8 wrongly where rounding carries)
+    x = Fp8Rows(*reference.quantize_fp8_per_token(torch.randn(rows, hidden, device=DEVICE).to(dtype)), dtype)
+    weight = (torch.randn(n, hidden, device=DEVICE) * 100).clamp(-448, 448).to(fp8)
+    scale = w_scale / 2**10 / (hidden / 300) ** 0.5  # outputs of order one, as the tolerances assume
+    bias = torch.randn(n, device=DEVICE).to(dtype) if with_bias else None
+    got = run(triton_ops.fp8_linear_rotary_kv_append, x, weight, bias, scale)
+    want = run(reference.fp8_linear_rotary_kv_append, x, weight, bias, scale)
+    tol = TOL[dtype if rows <= 16 else torch.bfloat16]  # past 16 rows scaled_mm, which writes bfloat16
+    for got_part, want_part in zip(got, want):
+        torch.testing.assert_close(got_part.float(), want_part.float(), **tol)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
 def test_fused_qkv_rotary_replays_in_a_cuda_graph() -> None:
     """Every replay gives the eager q and writes the eager k and v."""
