@@ -11,7 +11,8 @@
   ``--sweep gemm`` times every tile shape of the Triton GEMMs instead of their defaults.
 - ``--fused``: gate_up with its activation in one launch (``triton_fused_linear``) against cuBLAS then
   the activation kernel, and q/k/v with rotary and the KV append against cuBLAS then
-  ``rotary_kv_append``; ``--sweep fused`` also times every tile shape of both fused kernels.
+  ``rotary_kv_append`` (and with fp8 weights, against the fp8 GEMM then ``rotary_kv_append``);
+  ``--sweep fused`` also times every tile shape of the fused kernels.
 - ``--logits``: the LM head writing float32 logits in one launch (``triton_quant.logits_linear``)
   against cuBLAS then the float cast; ``--sweep logits`` also times every tile shape.
 - ``--argmax``: the sampler's greedy argmax over a 128,256-entry vocabulary at 1-256 rows, torch's
@@ -47,6 +48,7 @@ from mii_server.kernels import (
     triton_quant,
 )
 from mii_server.kernels.metadata import AttentionMetadata
+from mii_server.kernels.reference_quant import Fp8Rows
 
 HBM_BYTES_PER_S = 4.24e12  # measured device-to-device copy rate on the H200
 BF16_FLOPS = 790e12  # measured dense bf16 matmul rate on the H200
@@ -386,6 +388,9 @@ QKV_ROTARY_TILES = [
     for bk in (128, 256, 512)
     for warps, stages in ((4, 3), (4, 4), (4, 5), (8, 3))
 ]
+FP8_QKV_ROTARY_TILES = [
+    (16, bn, bk, 4, stages) for bn in (16, 32, 64) for bk in (256, 512, 1024) for stages in (2, 3, 4)
+]
 
 
 def _each_weight_us(fn, weights: list[torch.Tensor]) -> float:
@@ -397,11 +402,14 @@ def _gated_unfused(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return triton_pointwise.silu_and_mul(F.linear(x, weight))
 
 
-def _sweep_fused(name: str, m: int, n_k: tuple[int, int], unfused, fused, tiles_list: list) -> dict:
+def _sweep_fused(
+    name: str, m: int, n_k: tuple[int, int], unfused, fused, tiles_list: list,
+    weight_dtype: torch.dtype = torch.bfloat16,
+) -> dict:  # fmt: skip
     """``fused(x, weight, tiles)`` with its default tiles and each of ``tiles_list`` against
     ``unfused(x, weight)`` (each checked against it first), CUDA-graph replay over 8 weight copies."""
     n, k = n_k
-    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(8)]
+    weights = [(torch.randn(n, k, device="cuda") / k**0.5).to(weight_dtype) for _ in range(8)]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     unfused_us = _each_weight_us(functools.partial(unfused, x), weights)
     expected = unfused(x, weights[0])
@@ -434,30 +442,39 @@ def bench_fused_gate_up(rows_list: tuple[int, ...], sweep: bool) -> list[dict]:
             for m in rows_list]  # fmt: skip
 
 
-def bench_fused_qkv_rotary(rows_list: tuple[int, ...], sweep: bool) -> list[dict]:
+def bench_fused_qkv_rotary(rows_list: tuple[int, ...], sweep: bool, fp8: bool = False) -> list[dict]:
     """Llama-3-8B's q/k/v with rotary and the KV append (32 / 8 heads of 128, one token a row, cache
     slots spread over 64 blocks of 64): the fused launch against cuBLAS then ``rotary_kv_append``;
-    ``sweep``: every tile shape of the fused kernel (BLOCK_N: columns of each half of a head)."""
+    ``sweep``: every tile shape of the fused kernel (BLOCK_N: columns of each half of a head).
+    ``fp8``: fp8 weights and rows quantized per token (as the norm hands them over), the fused launch
+    against the fp8 GEMM then ``rotary_kv_append``."""
     hk, d = 8, 128  # and 32 query heads: LINEAR_SHAPES["qkv"]
+    n, k = LINEAR_SHAPES["qkv"]
     inv_freq = 1.0 / (500000 ** (torch.arange(0, d, 2, device="cuda").float() / d))
     freqs = torch.outer(torch.arange(8192, device="cuda").float(), inv_freq)
     cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
     k_cache, v_cache = (torch.zeros(64, 64, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    scale = torch.rand(n, 1, device="cuda") / 64 + 1e-3
     out = []
     for m in rows_list:
         positions = torch.randint(0, 8192, (m,), device="cuda")
         slots = torch.randperm(64 * 64, device="cuda")[:m]
         rest = (positions, cos_sin, k_cache, v_cache, slots)
+        rows8 = Fp8Rows(*triton_fp8.quantize_fp8_per_token(torch.randn(m, k, device="cuda")), torch.bfloat16)
 
-        def unfused(x, weight, rest=rest):
-            q, k, v = reference.split_qkv(F.linear(x, weight), hk, d)
-            return triton_pointwise.rotary_kv_append(q, k, v, *rest)
+        def unfused(x, weight, rest=rest, rows8=rows8):
+            qkv = triton_fp8.fp8_linear(rows8, weight, scale) if fp8 else F.linear(x, weight)
+            return triton_pointwise.rotary_kv_append(*reference.split_qkv(qkv, hk, d), *rest)
 
-        def fused(x, weight, tiles, rest=rest):
+        def fused(x, weight, tiles, rest=rest, rows8=rows8):
+            if fp8:
+                return triton_fused_linear.fp8_linear_rotary_kv_append(rows8, weight, scale, None, *rest, tiles=tiles)
             return triton_fused_linear.linear_rotary_kv_append(x, weight, None, *rest, tiles=tiles)
 
-        tiles = QKV_ROTARY_TILES if sweep else []
-        out.append(_sweep_fused("fused_qkv_rotary", m, LINEAR_SHAPES["qkv"], unfused, fused, tiles))
+        tiles = (FP8_QKV_ROTARY_TILES if fp8 else QKV_ROTARY_TILES) if sweep else []
+        name = "fp8_fused_qkv_rotary" if fp8 else "fused_qkv_rotary"
+        weight_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+        out.append(_sweep_fused(name, m, (n, k), unfused, fused, tiles, weight_dtype))
     return out
 
 
@@ -547,6 +564,7 @@ def main() -> None:
     if args.fused:
         rows += bench_fused_gate_up(tuple(args.gemm_rows), "fused" in (args.sweep or ()))
         rows += bench_fused_qkv_rotary(tuple(args.gemm_rows), "fused" in (args.sweep or ()))
+        rows += bench_fused_qkv_rotary(tuple(args.gemm_rows), "fused" in (args.sweep or ()), fp8=True)
     if args.logits or "logits" in (args.sweep or ()):
         rows += bench_logits(tuple(args.gemm_rows), "logits" in (args.sweep or ()))
     if args.argmax:
