@@ -10,7 +10,8 @@ pays. Large prefill steps are bound by compute: there the weight is dequantized 
 dtype once and the product runs in cuBLAS (``DEQUANT_MIN_ROWS``).
 
 ``dense_linear``: the same kernel on an unquantized 16-bit weight, for the few-row products where it
-beats cuBLAS (see ``DENSE_MAX_ROWS``).
+beats cuBLAS (see ``DENSE_MAX_ROWS``); ``logits_linear``: the same for the LM head, writing float32
+logits in the one launch (see ``LOGITS_TILES``).
 """
 
 from __future__ import annotations
