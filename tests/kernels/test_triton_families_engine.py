@@ -1,5 +1,6 @@
 """Whole models on the Triton ops give the reference ops' greedy tokens: the MoE router, sort and
-grouped GEMMs inside Mixtral, the windowed, soft-capped attention and GeGLU inside Gemma 2.
+grouped GEMMs inside Mixtral, the windowed, soft-capped attention and GeGLU inside Gemma 2, q/k/v with
+rotary in one launch inside a Llama with wide heads (and in each, the few-row LM head).
 
 On the CPU the Triton ops run in the interpreter (``TRITON_INTERPRET=1``, set by conftest.py).
 """
@@ -36,4 +37,27 @@ def test_triton_ops_generate_what_the_reference_generates(
         responses = pipe(PROMPTS, max_new_tokens=4, do_sample=False, ignore_eos=True)
         outputs[kernels] = [r.token_ids for r in responses]
         pipe.destroy()
+    assert outputs["triton"] == outputs["reference"]
+
+
+def test_wide_heads_take_the_fused_qkv_kernel_and_generate_what_the_reference_generates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """q/k/v with rotary and the KV append in one launch needs 16 columns of each half of a head, which
+    the tiny models' 16-wide heads do not have: a Llama with 32-wide heads takes it at decode."""
+    from mii_server.demo_model import build_tiny_checkpoint
+    from mii_server.kernels import triton_fused_linear
+
+    path = build_tiny_checkpoint(tmp_path / "llama", "llama", seed=13, num_attention_heads=2, num_key_value_heads=1)
+    launches = []
+    launch = triton_fused_linear._launch_qkv_rotary
+    monkeypatch.setattr(triton_fused_linear, "_launch_qkv_rotary", lambda *a: launches.append(a) or launch(*a))
+    outputs = {}
+    for kernels in ("reference", "triton"):
+        monkeypatch.setenv("MII_SERVER_KERNELS", kernels)
+        pipe = mii_server.pipeline(str(path), dtype="float32", max_ragged_batch_size=16, max_ragged_sequence_count=3)
+        responses = pipe(PROMPTS, max_new_tokens=4, do_sample=False, ignore_eos=True)
+        outputs[kernels] = [r.token_ids for r in responses]
+        pipe.destroy()
+    assert launches  # the decode steps of the Triton run
     assert outputs["triton"] == outputs["reference"]
