@@ -354,6 +354,26 @@ def _cos_sin(max_positions: int, head_dim: int) -> torch.Tensor:
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
+def _rotary_case(rows: int, dtype: torch.dtype) -> tuple:
+    """A step's rotary and append operands for QKV_SHAPE: positions, the cos/sin table, cache slots
+    (the middle row's -1 marks a padding token: nothing is written) and the K and V caches."""
+    hk, d = QKV_SHAPE[2:]
+    num_blocks, block_size = 8, 16
+    positions = torch.randint(0, 4096, (rows,), device=DEVICE)
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:rows]
+    slots[rows // 2] = -1
+    caches = [torch.randn(num_blocks, block_size, hk, d, device=DEVICE).to(dtype) for _ in range(2)]
+    return positions, _cos_sin(4096, d), slots, caches
+
+
+def _run_rotary(op, operands: tuple, case: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, K cache, V cache) of ``op(*operands, positions, cos_sin, k_cache, v_cache, slots)``, run on
+    fresh copies of the case's caches."""
+    positions, cos_sin, slots, caches = case
+    k_cache, v_cache = (c.clone() for c in caches)
+    return op(*operands, positions, cos_sin, k_cache, v_cache, slots), k_cache, v_cache
+
+
 @needs_triton
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float32] if ON_GPU else DTYPES)  # fp32: a smaller K step
 @pytest.mark.parametrize("rows", [1, 7, 16, 17])  # 17: past DENSE_MAX_ROWS, the unfused ops
@@ -366,17 +386,10 @@ def test_linear_rotary_kv_append_is_the_product_then_rotary_and_the_append(
     from mii_server.kernels import reference, triton_ops
 
     hidden, hq, hk, d = QKV_SHAPE
-    num_blocks, block_size = 8, 16
-    cos_sin = _cos_sin(4096, d)
-    positions = torch.randint(0, 4096, (rows,), device=DEVICE)
-    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:rows]
-    slots[rows // 2] = -1
-    caches = [torch.randn(num_blocks, block_size, hk, d, device=DEVICE).to(dtype) for _ in range(2)]
+    case = _rotary_case(rows, dtype)
 
     def run(op, x, weight, bias):
-        k_cache, v_cache = (c.clone() for c in caches)
-        q = op(x, weight, bias, positions, cos_sin, k_cache, v_cache, slots)
-        return q, k_cache, v_cache
+        return _run_rotary(op, (x, weight, bias), case)
 
     def unfused(x, weight, bias, *rest):
         qkv = torch.nn.functional.linear(x, weight, bias).view(rows, -1, d)
@@ -416,20 +429,13 @@ def test_fp8_linear_rotary_kv_append_is_the_fp8_product_then_rotary_and_the_appe
 
     hidden, hq, hk, d = QKV_SHAPE
     n = (hq + 2 * hk) * d
-    num_blocks, block_size = 8, 16
-    cos_sin = _cos_sin(4096, d)
-    positions = torch.randint(0, 4096, (rows,), device=DEVICE)
-    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:rows]
-    slots[rows // 2] = -1
-    caches = [torch.randn(num_blocks, block_size, hk, d, device=DEVICE).to(dtype) for _ in range(2)]
+    case = _rotary_case(rows, dtype)
     # powers of two: the scaled exact sums stay exact, so the fused and unfused epilogues see equal values
     x_scale = 2.0 ** torch.randint(-3, 2, (rows,), device=DEVICE).float()
     w_scale = 2.0 ** torch.randint(-3, 2, (n, 1), device=DEVICE).float()
 
     def run(op, x, weight, bias, scale=w_scale):
-        k_cache, v_cache = (c.clone() for c in caches)
-        q = op(x, weight, scale, bias, positions, cos_sin, k_cache, v_cache, slots)
-        return q, k_cache, v_cache
+        return _run_rotary(op, (x, weight, scale, bias), case)
 
     def unfused(x, weight, scale, bias, *rest):
         qkv = triton_ops.fp8_linear(x, weight, scale, bias).view(rows, -1, d)
