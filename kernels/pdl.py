@@ -4,11 +4,11 @@ Launched with PDL, a kernel's programs may be scheduled while the kernel before 
 still running, so its launch latency overlaps the previous kernel's tail. Every kernel launched so
 calls ``gdc_wait``, which blocks until the previous kernel has finished and its writes are visible,
 before it touches anything a kernel may write, and calls ``gdc_launch_dependents`` to let the next
-kernel be scheduled in turn: at its start (``pdl_prologue``), or, in the few-row 16-bit GEMMs, after
-their main loop (``pdl_wait`` then ``pdl_release``). Released at their start, those GEMMs' dependents
-took SM slots from their later programs, and a bf16 step ran 0.02-0.36 ms slower with PDL than
-without. The wait is transitive: a kernel's predecessor finished only after its own predecessor did.
-Kernels launched without PDL (cuBLAS, torch's) order as usual.
+kernel be scheduled in turn: at its start (``pdl_prologue``), or, in the few-row 16-bit GEMMs (and
+the fp8 q/k/v with rotary), after their main loop (``pdl_wait`` then ``pdl_release``). Released at
+their start, those GEMMs' dependents took SM slots from their later programs, and a bf16 step ran
+0.02-0.36 ms slower with PDL than without. The wait is transitive: a kernel's predecessor finished
+only after its own predecessor did. Kernels launched without PDL (cuBLAS, torch's) order as usual.
 
 What no kernel of a step writes may be read before the wait: the weights, and the step's metadata
 (positions, slots, sequence lengths), which the host's copy or a torch op fills before the step's
