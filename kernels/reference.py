@@ -177,8 +177,8 @@ def linear_rotary_kv_append(
     ``x @ weight^T + bias`` (weight rows: the Hq query heads, then the Hk key heads, then the Hk value
     heads, D each; Hk and D read from ``k_cache``), then ``rotary_kv_append``. Returns the rotated q
     [T, Hq, D]. The Triton twin does it in one launch for decode's few rows."""
-    q, k, v = split_qkv(F.linear(x, weight, bias), k_cache.shape[2], k_cache.shape[3])
-    return rotary_kv_append(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    qkv = F.linear(x, weight, bias)
+    return _packed_rotary_kv_append(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
 
 
 def fp8_linear_rotary_kv_append(
@@ -197,6 +197,14 @@ def fp8_linear_rotary_kv_append(
     as ``Fp8Rows``), then ``rotary_kv_append``. The Triton twin does it in one launch for decode's few
     rows."""
     qkv = fp8_linear(x, weight, scale, bias, gemm)
+    return _packed_rotary_kv_append(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+
+
+def _packed_rotary_kv_append(
+    qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """A packed q/k/v product [T, (Hq + 2 Hk) D] through ``rotary_kv_append``; returns q."""
     q, k, v = split_qkv(qkv, k_cache.shape[2], k_cache.shape[3])
     return rotary_kv_append(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
 

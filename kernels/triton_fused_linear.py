@@ -28,7 +28,7 @@ from .reference_quant import Fp8Rows
 from .triton_attention import _dot_precision
 from .triton_fp8 import FP8_MMA_K, TRITON_MAX_ROWS, fp8_linear, quantize_fp8_per_token
 from .triton_pointwise import act_and_mul_values, gelu_tanh_and_mul, rotary_kv_append, silu_and_mul
-from .triton_quant import few_row_product, gemm_tile, k_step
+from .triton_quant import few_row_product, fit_k_step, gemm_tile
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the gated product: BLOCK_N columns of gate and as many
 # of up per program; the fastest of 18 shapes at one row of Llama-3-8B's gate_up on an H200 (56.8 us
@@ -113,10 +113,12 @@ def linear_gelu_tanh_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Ten
 QKV_ROTARY_TILES = (16, 32, 256, 4, 4)
 
 
-def _qkv_rotary_tiles(element_size: int, half: int) -> tuple[int, int, int, int, int]:
-    """``QKV_ROTARY_TILES`` fitted to the problem: no wider than half a head, the K step by ``k_step``."""
-    bm, bn, bk, warps, stages = QKV_ROTARY_TILES
-    return bm, min(bn, half), k_step(bk, element_size), warps, stages
+def _qkv_rotary_tiles(
+    tiles: tuple[int, int, int, int, int], element_size: int, half: int
+) -> tuple[int, int, int, int, int]:
+    """q/k/v tiles fitted to the problem: no wider than half a head, the K step by ``fit_k_step``."""
+    bm, bn, bk, warps, stages = fit_k_step(tiles, element_size)
+    return bm, min(bn, half), bk, warps, stages
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -224,12 +226,10 @@ def linear_rotary_kv_append(
     """See ``reference.linear_rotary_kv_append``. One launch for few rows of whole-head rotary (the
     q/k/v product rounded where it stores, rotary rounded where it rounds); any other case runs the
     product, then ``rotary_kv_append``. ``tiles``: instead of ``QKV_ROTARY_TILES`` (the tile sweep)."""
-    half = k_cache.shape[3] // 2
-    tiles = tiles or _qkv_rotary_tiles(x.element_size(), half)
-    if not (few_row_product(x, weight) and _rotary_fits(tiles, cos_sin_cache, k_cache, v_cache)):
-        q, k, v = split_qkv(torch.nn.functional.linear(x, weight, bias), k_cache.shape[2], k_cache.shape[3])
-        return rotary_kv_append(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
     rest = (positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    tiles = _qkv_rotary_tiles(tiles or QKV_ROTARY_TILES, x.element_size(), k_cache.shape[3] // 2)
+    if not (few_row_product(x, weight) and _rotary_fits(tiles, cos_sin_cache, k_cache, v_cache)):
+        return _packed_rotary_kv_append(torch.nn.functional.linear(x, weight, bias), *rest)
     return _launch_qkv_rotary(x, weight, None, None, bias, *rest, tiles, x.dtype)
 
 
@@ -259,9 +259,8 @@ def fp8_linear_rotary_kv_append(
     other case runs ``fp8_linear``, then ``rotary_kv_append``. ``tiles``: instead of
     ``FP8_QKV_ROTARY_TILES`` (the tile sweep)."""
     q8, x_scale, dtype = x if isinstance(x, Fp8Rows) else (*quantize_fp8_per_token(x), x.dtype)
-    half = k_cache.shape[3] // 2
-    bm, bn, bk, warps, stages = tiles or FP8_QKV_ROTARY_TILES
-    tiles = (bm, min(bn, half), bk, warps, stages)
+    rest = (positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    tiles = _qkv_rotary_tiles(tiles or FP8_QKV_ROTARY_TILES, q8.element_size(), k_cache.shape[3] // 2)
     rows = q8.shape[0]
     fused = (
         gemm in ("auto", "triton")
@@ -273,14 +272,24 @@ def fp8_linear_rotary_kv_append(
     )
     if not fused:
         qkv = fp8_linear(Fp8Rows(q8, x_scale, dtype), weight, scale, bias, gemm)
-        q, k, v = split_qkv(qkv, k_cache.shape[2], k_cache.shape[3])
-        return rotary_kv_append(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
-    rest = (positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+        return _packed_rotary_kv_append(qkv, *rest)
     return _launch_qkv_rotary(q8, weight, x_scale, scale, bias, *rest, tiles, dtype)
 
 
+def _packed_rotary_kv_append(
+    qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """The unfused path's second step: a packed q/k/v product through ``rotary_kv_append``; returns q."""
+    q, k, v = split_qkv(qkv, k_cache.shape[2], k_cache.shape[3])
+    return rotary_kv_append(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+
+
 def _rotary_fits(
-    tiles: tuple[int, int, int, int, int], cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    tiles: tuple[int, int, int, int, int],
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
 ) -> bool:
     """Whether the fused kernel's epilogue takes this rotary and cache: whole-head rotary, tiles that
     divide half a head, contiguous rows."""
@@ -297,7 +306,8 @@ def _rotary_fits(
 def _launch_qkv_rotary(
     x: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
     bias: torch.Tensor | None, positions: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
-    v_cache: torch.Tensor, slot_mapping: torch.Tensor, tiles: tuple[int, int, int, int, int], dtype: torch.dtype,
+    v_cache: torch.Tensor, slot_mapping: torch.Tensor, tiles: tuple[int, int, int, int, int],
+    dtype: torch.dtype,
 ) -> torch.Tensor:  # fmt: skip
     """One launch of ``_linear_rotary_kv_append_kernel`` (fp8 when given scales); returns q in ``dtype``."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape

@@ -205,14 +205,12 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T in x's dtype: see ``reference.dense_linear``."""
     if not few_row_product(x, weight) or triton.cdiv(weight.shape[0], DENSE_TILES[1]) > _num_sms(x.device):
         return torch.nn.functional.linear(x, weight)
-    bm, bn, bk, warps, stages = DENSE_TILES
-    tiles = (bm, bn, k_step(bk, x.element_size()), warps, stages)
-    return weight_only_linear(x, weight, None, None, False, tiles)
+    return weight_only_linear(x, weight, None, None, False, fit_k_step(DENSE_TILES, x.element_size()))
 
 
 # logits_linear's tiles: 128-column slices, many waves of them (the head has ~4,000 at 32k-plus
-# vocabularies). Llama-3-8B's head (128,256 x 4,096) at one row on an H200: 232 us against 242 for
-# cuBLAS and the float cast (bench/kernels_bench.py --no-attention --logits --sweep logits)
+# vocabularies). Llama-3-8B's head (128,256 x 4,096) at one row on an H200: 232.5 us against 243.2 for
+# cuBLAS and the float cast (bench/kernels_bench.py --no-attention --logits --sweep logits --gemm-rows 1)
 LOGITS_TILES = (16, 128, 128, 4, 3)
 
 
@@ -223,12 +221,15 @@ def logits_linear(
     instead of ``LOGITS_TILES`` (for the tile sweep)."""
     if not few_row_product(x, weight):
         return torch.nn.functional.linear(x, weight).float()
-    bm, bn, bk, warps, stages = tiles or LOGITS_TILES
-    tiles = (bm, bn, k_step(bk, x.element_size()), warps, stages)
+    tiles = fit_k_step(tiles or LOGITS_TILES, x.element_size())
     return weight_only_linear(x, weight, None, None, False, tiles, out_dtype=torch.float32)
 
 
-def k_step(block_k: int, element_size: int) -> int:
-    """A few-row GEMM's K step, given for 16-bit values: half as wide for 4-byte ones, whose stages and
-    first tile held apart (see ``_weight_only_gemm_kernel``) would not fit in shared memory."""
-    return block_k * 2 // max(element_size, 2)
+def fit_k_step(
+    tiles: tuple[int, int, int, int, int], element_size: int
+) -> tuple[int, int, int, int, int]:
+    """A few-row GEMM's (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), given for 16-bit values, with the K
+    step halved for 4-byte ones, whose stages and first tile held apart (see
+    ``_weight_only_gemm_kernel``) would not fit in shared memory."""
+    bm, bn, bk, warps, stages = tiles
+    return bm, bn, bk * 2 // max(element_size, 2), warps, stages
