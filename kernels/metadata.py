@@ -32,6 +32,10 @@ class AttentionMetadata:
     last_token_indices: torch.Tensor
     max_q_len: int  # longest run of new tokens of any sequence (1 for a decode-only batch)
     max_context_len: int  # longest context of any sequence after this batch
+    # leading sequences with exactly one new token each (a mixed batch's decode rows come first);
+    # 0 where the builder does not count them. A mixed batch sends them to the decode kernel when
+    # they are enough to fill the GPU (triton_attention.fills_gpu_unsplit).
+    num_decode_seqs: int = 0
 
     @property
     def num_seqs(self) -> int:

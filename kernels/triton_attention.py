@@ -12,6 +12,10 @@ Two kernels share one tile step (online softmax in fp32, exp2 domain):
   last split of a (sequence, KV head) to finish merges the splits' partial softmax states (an
   arrival counter per pair); where a group's partials are too many for one program,
   ``_decode_reduce_kernel`` merges them in a second launch.
+- A mixed batch whose leading decode rows would fill the GPU on their own (``fills_gpu_unsplit``)
+  runs as two launches (``paged_mixed_attention``): those rows through the decode kernel, unsplit,
+  and the other sequences through the prefill kernel from ``first_seq``. In the prefill kernel alone a
+  decode row takes a whole BLOCK_Q-token tile for its one token.
 
 Both take the options of ``reference.paged_attention``: a sliding window (SLIDING: tiles wholly
 before a query block's window are skipped, the rest masked) and a logit soft-cap (SOFTCAP). Either
@@ -24,6 +28,7 @@ they can be captured in CUDA graphs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -130,10 +135,10 @@ def _attend_tile(
 
 # why do_not_specialize: Triton compiles a variant per integer argument that is 1, a multiple of 16,
 # or neither; these change with every batch, and a compile in the middle of serving costs ~1 s
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
+@triton.jit(do_not_specialize=["first_seq", "num_seqs", "stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, cu_q_lens_ptr, context_lens_ptr,
-    scale_log2, num_seqs, window, cap_in, cap_out,
+    scale_log2, first_seq, num_seqs, window, cap_in, cap_out,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -145,17 +150,23 @@ def _prefill_kernel(
     qblock = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
 
-    # the sequence owning this q-block: largest s with cu_q_lens[s] // BLOCK_Q + s <= qblock
+    # the sequences from first_seq on (the ones before went to the decode kernel); q and out are
+    # views from first_seq's first token, q_base
+    cu_q_lens_ptr += first_seq
+    context_lens_ptr += first_seq
+    block_table_ptr += first_seq.to(tl.int64) * stride_bt
+    q_base = tl.load(cu_q_lens_ptr)
+    # the sequence owning this q-block: largest s with (cu_q_lens[s] - q_base) // BLOCK_Q + s <= qblock
     lo = tl.zeros([], dtype=tl.int32)
     hi = lo + num_seqs - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        first = tl.load(cu_q_lens_ptr + mid) // BLOCK_Q + mid
+        first = (tl.load(cu_q_lens_ptr + mid) - q_base) // BLOCK_Q + mid
         lo = tl.where(first <= qblock, mid, lo)
         hi = tl.where(first <= qblock, hi, mid - 1)
     seq = lo
-    q_start = tl.load(cu_q_lens_ptr + seq)
-    q_len = tl.load(cu_q_lens_ptr + seq + 1) - q_start
+    q_start = tl.load(cu_q_lens_ptr + seq) - q_base
+    q_len = tl.load(cu_q_lens_ptr + seq + 1) - q_base - q_start
     local = qblock - (q_start // BLOCK_Q + seq)
     if local * BLOCK_Q >= q_len:
         return
@@ -396,17 +407,19 @@ def paged_decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     merge_in_kernel: bool | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Split-K decode attention for batches of at most one new token per sequence.
 
     ``merge_in_kernel`` (default: when one group's partial states fit ``MERGE_IN_KERNEL_MAX_ELEMENTS``):
-    the splits are merged by the last of them to finish, not by a second launch.
+    the splits are merged by the last of them to finish, not by a second launch. ``out``: where to
+    write (shaped like q; a new tensor when None).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     num_seqs = meta.context_lens.shape[0]
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     if num_tokens == 0 or num_seqs == 0:
         return out
     on_gpu = q.is_cuda
@@ -467,16 +480,21 @@ def paged_prefill_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     tma: bool | None = None,
+    first_seq: int = 0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ragged causal attention for any mix of prefill chunks and decode tokens, in one launch.
 
     ``tma`` (default: where ``tma_supported``) reads K/V tiles by tensor-memory-accelerator bulk copies.
+    ``first_seq``: attend only the sequences from this one on; q then holds their tokens only (its
+    first row is the token at ``meta.cu_q_lens[first_seq]``; see ``paged_mixed_attention``).
+    ``out``: where to write (shaped like q; a new tensor when None).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    num_seqs = meta.context_lens.shape[0]
-    out = torch.empty_like(q)
+    num_seqs = meta.context_lens.shape[0] - first_seq
+    out = torch.empty_like(q) if out is None else out
     if num_tokens == 0 or num_seqs == 0:
         return out
     on_gpu = q.is_cuda
@@ -500,12 +518,12 @@ def paged_prefill_attention(
     if tma:
         k_tiles, v_tiles = _cache_descriptor(k_cache, block_n), _cache_descriptor(v_cache, block_n)
     block_q = max(1, block_m // g_pad)
-    # q-blocks are numbered cu_q_lens[s] // block_q + s, so this many cover every sequence
+    # q-blocks are numbered (cu_q_lens[s] - q_base) // block_q + s - first_seq, so this many cover every sequence
     num_qblocks = num_tokens // block_q + num_seqs
     cap_in, cap_out = _softcap_args(scale, logit_softcap)
     _prefill_kernel[(num_qblocks, num_kv_heads)](
         q, k_tiles, v_tiles, out, meta.block_table, meta.cu_q_lens, meta.context_lens,
-        scale * _LOG2E, num_seqs, sliding_window, cap_in, cap_out,
+        scale * _LOG2E, first_seq, num_seqs, sliding_window, cap_in, cap_out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_table.stride(0),
@@ -555,8 +573,10 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of a ragged batch over the cache; see ``reference.paged_attention``.
 
-    Decode-only batches (``meta.max_q_len == 1``) take the split-K decode kernel; any other batch
-    takes the ragged prefill kernel, which also serves the decode tokens mixed into it.
+    Decode-only batches (``meta.max_q_len == 1``) take the split-K decode kernel. A mixed batch whose
+    leading decode rows (``meta.num_decode_seqs``) fill the GPU (``fills_gpu_unsplit``) sends them to
+    the decode kernel and the rest to the ragged prefill kernel; any other batch takes the prefill
+    kernel alone, which also serves the decode tokens mixed into it.
     """
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert k_cache.shape[1] & (k_cache.shape[1] - 1) == 0, "block_size must be a power of two"
@@ -564,4 +584,46 @@ def paged_attention(
     options = {"sliding_window": sliding_window, "logit_softcap": logit_softcap}
     if meta.max_q_len <= 1:
         return paged_decode_attention(q, k_cache, v_cache, meta, scale, **options)
+    if fills_gpu_unsplit(meta.num_decode_seqs, k_cache.shape[2], q.device):
+        return paged_mixed_attention(q, k_cache, v_cache, meta, scale, **options)
     return paged_prefill_attention(q, k_cache, v_cache, meta, scale, **options)
+
+
+def fills_gpu_unsplit(num_decode_seqs: int, num_kv_heads: int, device: torch.device) -> bool:
+    """Whether a mixed batch's decode rows are enough (sequence, KV head) programs, about two per SM,
+    for the decode kernel without context splits, which is how ``paged_mixed_attention`` runs it.
+
+    why: measured on an H200 (docs/BENCHMARKS.md, mixed steps), the split was 1.05x faster with 64
+    decode rows beside a full prefill chunk, 1.18x with 256, 1.39-1.45x with 256-512 beside a
+    512-token chunk; with 1-16 rows it gained at most 2% or lost 5%. (It lost 13% with 128 rows
+    beside a 64-token chunk: the tail of a prompt queue, rare.) Unsplit, so one compiled variant serves every mixed step (the split
+    count is a compile-time constant, and a compile mid-serving costs about a second).
+    """
+    return num_decode_seqs > 0 and num_decode_seqs * num_kv_heads >= 2 * _num_sms(device)
+
+
+def paged_mixed_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
+) -> torch.Tensor:
+    """A mixed batch in two launches: its ``meta.num_decode_seqs`` leading single-token sequences
+    through the decode kernel (one program per sequence and KV head, no context splits), the other
+    sequences through the ragged prefill kernel."""
+    options = {"sliding_window": sliding_window, "logit_softcap": logit_softcap}
+    n = meta.num_decode_seqs
+    out = torch.empty_like(q)
+    # why slices only at the front (and first_seq for the rest): Triton compiles a kernel variant
+    # per pointer alignment, and a slice from row n would shift it as n changes
+    decode = dataclasses.replace(
+        meta, positions=meta.positions[:n], slot_mapping=meta.slot_mapping[:n], cu_q_lens=meta.cu_q_lens[: n + 1],
+        context_lens=meta.context_lens[:n], block_table=meta.block_table[:n], max_q_len=1,
+    )  # fmt: skip
+    paged_decode_attention(q[:n], k_cache, v_cache, decode, scale, num_splits=1, out=out[:n], **options)
+    paged_prefill_attention(q[n:], k_cache, v_cache, meta, scale, first_seq=n, out=out[n:], **options)
+    return out

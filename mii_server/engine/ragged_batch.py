@@ -52,7 +52,9 @@ class BatchLayout:
         offset, count, _ = self.fields()["table"]
         return offset + count * 4
 
-    def views(self, buffer: torch.Tensor, max_q_len: int, max_context_len: int) -> RaggedBatch:
+    def views(
+        self, buffer: torch.Tensor, max_q_len: int, max_context_len: int, num_decode_seqs: int = 0
+    ) -> RaggedBatch:
         """The batch whose tensors are views of ``buffer`` (uint8, at least ``nbytes`` long)."""
         f = {
             name: buffer[off : off + count * (8 if dtype == "int64" else 4)].view(getattr(torch, dtype))
@@ -67,6 +69,7 @@ class BatchLayout:
             last_token_indices=f["last"],
             max_q_len=max_q_len,
             max_context_len=max_context_len,
+            num_decode_seqs=num_decode_seqs,
         )
         return RaggedBatch(input_ids=f["ids"], meta=meta)
 
@@ -79,6 +82,7 @@ class PackedBatch:
     data: np.ndarray  # uint8[layout.nbytes]
     max_q_len: int  # over the real sequences
     max_context_len: int  # over the real sequences
+    num_decode_seqs: int = 0  # leading sequences with exactly one new token
 
 
 def pack_batch(
@@ -151,6 +155,7 @@ def pack_batch(
         data=data,
         max_q_len=int(q_lens.max(initial=0)),
         max_context_len=int(context[:n].max(initial=0)),
+        num_decode_seqs=int(np.argmin(q_lens == 1)) if (q_lens != 1).any() else n,
     )
 
 
@@ -232,4 +237,4 @@ class RaggedBatch:
         """
         packed = pack_batch(sequences, tokens, block_size, full_logits=full_logits)
         buffer = (staging or HostStaging(device)).upload(packed)
-        return packed.layout.views(buffer, packed.max_q_len, packed.max_context_len)
+        return packed.layout.views(buffer, packed.max_q_len, packed.max_context_len, packed.num_decode_seqs)

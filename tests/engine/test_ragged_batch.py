@@ -53,6 +53,19 @@ def test_build_matches_the_token_by_token_metadata() -> None:
     assert m.block_table.tolist() == want["table"] and m.block_table.dtype == torch.int32
     assert m.last_token_indices.tolist() == want["last"]
     assert (m.max_q_len, m.max_context_len, m.num_seqs, batch.num_tokens) == (4, 9, 3, 8)
+    assert m.num_decode_seqs == 0  # the decode row is not among the leading ones
+
+
+def test_leading_decode_rows_are_counted() -> None:
+    """``num_decode_seqs``: the single-token sequences before the first longer one (the scheduler
+    puts decodes first, so a mixed batch's attention can send them to the decode kernel)."""
+    sequences, _ = mixed_batch()
+    order = [2, 2, 0, 1]  # the decode row twice (as two sequences), then the chunk and the prompt
+    sequences = [sequences[i] for i in order]
+    for new, want in (([[31], [32], [11, 12, 13], [21, 22, 23, 24]]), 2), (([[31], [32], [11], [21]]), 4):
+        assert pack_batch(sequences, new, BLOCK).num_decode_seqs == want
+        batch = RaggedBatch.build(sequences, new, BLOCK, torch.device("cpu"))
+        assert batch.meta.num_decode_seqs == want
 
 
 def test_padding_to_a_rung_adds_inert_rows() -> None:

@@ -146,6 +146,7 @@ def _ragged_batch(
         last_token_indices=torch.tensor(last, dtype=torch.int64, device=DEVICE),
         max_q_len=max(q for q, _ in seqs),
         max_context_len=max(ctx for _, ctx in seqs),
+        num_decode_seqs=next((s for s, (q_len, _) in enumerate(seqs) if q_len != 1), len(seqs)),
     )
     return k_cache, v_cache, meta
 
@@ -170,6 +171,8 @@ else:
         (4, 2, 16, 4, [(1, 5), (7, 7), (3, 20), (0, 0), (1, 1)]),
         (4, 1, 32, 8, [(9, 30), (1, 17)]),
         (6, 2, 16, 16, [(18, 18), (2, 40)]),
+        # four decode rows x 2 KV heads: the interpreter's 4 "SMs" filled, so split out (fills_gpu_unsplit)
+        (4, 2, 16, 4, [(1, 9), (1, 30), (1, 2), (1, 13), (6, 6), (1, 7), (5, 21)]),
     ]
     DECODE_CASES = [
         (4, 2, 16, 4, [(1, 5), (1, 1), (0, 0), (1, 70)]),
@@ -235,6 +238,48 @@ def test_prefill_kernel_serves_decode_batches() -> None:
 
 
 BULK_COPIES = not ON_GPU or torch.cuda.get_device_capability()[0] >= 9  # TMA: Hopper on, or the interpreter
+
+
+@pytest.mark.parametrize("case", [c for c in MIXED_CASES if c[4][0][0] == 1])
+def test_mixed_batch_sends_its_decode_rows_to_the_decode_kernel(case) -> None:
+    """A mixed batch whose first sequences decode: both launches together give the reference's
+    answer, and so does the ragged kernel alone on the same batch."""
+    dtype = DTYPES[0]
+    meta = _ragged_batch(case[4], case[1], case[2], case[3], dtype)[2]
+    assert 1 <= meta.num_decode_seqs < len(case[4])
+    _check_attention(dtype, *case, triton_attention.paged_mixed_attention)
+    _check_attention(dtype, *case, triton_attention.paged_prefill_attention)
+
+
+def test_mixed_batches_split_once_their_decode_rows_fill_the_gpu() -> None:
+    sms = triton_attention._num_sms(DEVICE)
+    assert not triton_attention.fills_gpu_unsplit(0, 8, DEVICE)
+    assert not triton_attention.fills_gpu_unsplit(-(-2 * sms // 8) - 1, 8, DEVICE)
+    assert triton_attention.fills_gpu_unsplit(-(-2 * sms // 8), 8, DEVICE)
+    if not ON_GPU:  # the case above that the dispatch sends down both kernels
+        assert triton_attention.fills_gpu_unsplit(4, 2, DEVICE)
+
+
+@pytest.mark.parametrize("tma", [False, True] if BULK_COPIES else [False])
+def test_prefill_kernel_on_the_tail_of_a_batch(tma: bool) -> None:
+    """The ragged kernel given the sequences after the first few (``first_seq``), with q and out views
+    from their first token, as ``paged_mixed_attention`` calls it."""
+    dtype = DTYPES[0]
+    num_q_heads, num_kv_heads, head_dim, block_size, _ = MIXED_CASES[0]
+    seqs = [(1, 40), (3, 70), (1, 5), (2 * block_size + 3, 3 * block_size), (0, 0), (block_size, block_size)]
+    k_cache, v_cache, meta = _ragged_batch(seqs, num_kv_heads, head_dim, block_size, dtype)
+    q = _rand(sum(n for n, _ in seqs), num_q_heads, head_dim, dtype=dtype)
+    scale = head_dim**-0.5
+    expected = reference.paged_attention(q, k_cache, v_cache, meta, scale)
+    for first_seq in (1, 2, 3):
+        row = sum(n for n, _ in seqs[:first_seq])
+        out = torch.full_like(q, float("nan"))
+        triton_attention.paged_prefill_attention(
+            q[row:], k_cache, v_cache, meta, scale, tma=tma, block_n=min(block_size, 64 if ON_GPU else 16),
+            first_seq=first_seq, out=out[row:],
+        )  # fmt: skip
+        torch.testing.assert_close(out[row:], expected[row:], **ATTN_TOL[dtype])
+        assert out[:row].isnan().all()  # nothing written before the tail
 
 
 @pytest.mark.skipif(not BULK_COPIES, reason="tensor descriptors need compute capability 9.0")
