@@ -2,6 +2,8 @@
 
 - decode: batch 64, context 2048 (``--decode-shape``), Llama-3-8B heads (32 q / 8 kv, D=128), bf16;
   achieved bytes/s (K+V read plus q and out) as a fraction of the HBM ceiling.
+- ``--mixed``: steps of decode rows beside prompt chunks, the ragged kernel alone against the decode
+  rows split out to the decode kernel (``paged_mixed_attention``).
 - prefill: 8 sequences x 2048 new tokens (``--prefill-lengths``: any fresh lengths), same heads;
   achieved causal TFLOP/s as a fraction of the dense bf16 matmul rate; beside it every library
   kernel torch offers for the same problem (FlashAttention-2 varlen, cuDNN varlen, dense and per
@@ -182,6 +184,42 @@ def bench_prefill(sweep: bool, block_size: int, lengths: list[int]) -> list[dict
                 "prefill_sweep", ms, block_m=block_m, block_n=block_n, warps=warps, stages=stages, tma=tma,
                 frac_bf16=flops / ms / 1e-3 / BF16_FLOPS,
             ))  # fmt: skip
+    return rows
+
+
+# (decode rows, prompt tokens beside them): steps as the variable workload's SplitFuse schedule makes
+# them at an 8,192-token budget, from the first decodes among full prefill chunks to many decodes
+# beside a small chunk
+MIXED_STEPS = [(1, 8191), (4, 8188), (16, 8176), (64, 8128), (256, 7936), (256, 512), (512, 512), (128, 64)]
+
+
+def bench_mixed(block_size: int, steps: list[tuple[int, int]] = MIXED_STEPS) -> list[dict]:
+    """Mixed steps: decode rows (contexts uniform in [64, 2560]) first, then fresh prompts of up to
+    2,048 tokens; the ragged kernel alone against the decode rows in the decode kernel and the rest in
+    the ragged kernel (``paged_mixed_attention``), each checked against the reference first."""
+    hq, hk, d = 32, 8, 128
+    rng = torch.Generator().manual_seed(0)
+    rows = []
+    for decodes, prompt_tokens in steps:
+        contexts = torch.randint(64, 2561, (decodes,), generator=rng).tolist()
+        prompts = [2048] * (prompt_tokens // 2048) + ([prompt_tokens % 2048] if prompt_tokens % 2048 else [])
+        seqs = [(1, c) for c in contexts] + [(n, n) for n in prompts]
+        q, k_cache, v_cache, meta = make_batch(seqs, hq, hk, d, block_size, torch.bfloat16)
+        meta.num_decode_seqs = decodes
+        scale = d**-0.5
+        expected = reference.paged_attention(q, k_cache, v_cache, meta, scale)
+        timed = {}
+        for name, fn in (("ragged_only", triton_attention.paged_prefill_attention),
+                         ("decode_split", triton_attention.paged_mixed_attention)):  # fmt: skip
+            run = functools.partial(fn, q, k_cache, v_cache, meta, scale)
+            torch.testing.assert_close(run(), expected, atol=2e-2, rtol=2e-2)
+            timed[name] = do_bench(run, rep=200)
+        decode_bytes = 2 * sum(contexts) * hk * d * 2  # K + V of the decode rows' contexts
+        rows.append(_report(
+            f"mixed_{decodes}dec_{prompt_tokens}tok_bs{block_size}", timed["decode_split"],
+            ragged_only_ms=timed["ragged_only"], speedup=timed["ragged_only"] / timed["decode_split"],
+            decode_kv_floor_ms=decode_bytes / HBM_BYTES_PER_S * 1e3,
+        ))  # fmt: skip
     return rows
 
 
@@ -549,6 +587,9 @@ def main() -> None:
         "--prefill-lengths", type=int, nargs="+", default=[2048] * 8,
         help="prompt lengths of the prefill case, all fresh (default: 8 x 2048)",
     )  # fmt: skip
+    parser.add_argument(
+        "--mixed", action="store_true", help="also time mixed steps: the ragged kernel alone against the decode split"
+    )
     parser.add_argument("--no-attention", action="store_true", help="skip the attention benchmarks")
     parser.add_argument("--json", help="write all rows to this file")
     args = parser.parse_args()
@@ -561,6 +602,8 @@ def main() -> None:
         sweep = set() if args.sweep is None else set(args.sweep or ("decode", "prefill", "gemm"))
         rows += bench_decode("decode" in sweep, block_size, *args.decode_shape)
         rows += bench_prefill("prefill" in sweep, block_size, args.prefill_lengths)
+        if args.mixed:
+            rows += bench_mixed(block_size)
     if args.fused:
         rows += bench_fused_gate_up(tuple(args.gemm_rows), "fused" in (args.sweep or ()))
         rows += bench_fused_qkv_rotary(tuple(args.gemm_rows), "fused" in (args.sweep or ()))
