@@ -518,7 +518,8 @@ def paged_prefill_attention(
     if tma:
         k_tiles, v_tiles = _cache_descriptor(k_cache, block_n), _cache_descriptor(v_cache, block_n)
     block_q = max(1, block_m // g_pad)
-    # q-blocks are numbered (cu_q_lens[s] - q_base) // block_q + s - first_seq, so this many cover every sequence
+    # q-blocks are numbered (cu_q_lens[s] - cu_q_lens[first_seq]) // block_q + s - first_seq, so this
+    # many cover every sequence
     num_qblocks = num_tokens // block_q + num_seqs
     cap_in, cap_out = _softcap_args(scale, logit_softcap)
     _prefill_kernel[(num_qblocks, num_kv_heads)](
@@ -596,8 +597,9 @@ def fills_gpu_unsplit(num_decode_seqs: int, num_kv_heads: int, device: torch.dev
     why: measured on an H200 (docs/BENCHMARKS.md, mixed steps), the split was 1.05x faster with 64
     decode rows beside a full prefill chunk, 1.18x with 256, 1.39-1.45x with 256-512 beside a
     512-token chunk; with 1-16 rows it gained at most 2% or lost 5%. (It lost 13% with 128 rows
-    beside a 64-token chunk: the tail of a prompt queue, rare.) Unsplit, so one compiled variant serves every mixed step (the split
-    count is a compile-time constant, and a compile mid-serving costs about a second).
+    beside a 64-token chunk: the tail of a prompt queue, rare.) Unsplit, so one compiled variant
+    serves every mixed step (the split count is a compile-time constant, and a compile mid-serving
+    costs about a second).
     """
     return num_decode_seqs > 0 and num_decode_seqs * num_kv_heads >= 2 * _num_sms(device)
 
