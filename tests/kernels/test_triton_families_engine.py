@@ -1,6 +1,7 @@
 """Whole models on the Triton ops give the reference ops' greedy tokens: the MoE router, sort and
 grouped GEMMs inside Mixtral, the windowed, soft-capped attention and GeGLU inside Gemma 2, q/k/v with
-rotary in one launch inside a Llama with wide heads (and in each, the few-row LM head).
+rotary in one launch inside a Llama with wide heads, mixed steps whose decode rows go to the decode
+kernel (and in each, the few-row LM head).
 
 On the CPU the Triton ops run in the interpreter (``TRITON_INTERPRET=1``, set by conftest.py).
 """
@@ -60,4 +61,29 @@ def test_wide_heads_take_the_fused_qkv_kernel_and_generate_what_the_reference_ge
         outputs[kernels] = [r.token_ids for r in responses]
         pipe.destroy()
     assert launches  # the decode steps of the Triton run
+    assert outputs["triton"] == outputs["reference"]
+
+
+def test_mixed_steps_split_their_decode_rows_and_generate_what_the_reference_generates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four short prompts decode while a long one is still being prefilled in chunks: those steps put
+    four decode rows first, which with two KV heads fill the interpreter's four "SMs", so attention
+    sends them to the decode kernel and the chunk to the ragged kernel (``paged_mixed_attention``)."""
+    from mii_server.demo_model import build_tiny_checkpoint
+    from mii_server.kernels import triton_attention
+
+    path = build_tiny_checkpoint(tmp_path / "llama", "llama", seed=5)
+    prompts = ["Hi", "A", "Yes", "Go", " ".join(["The quick brown fox jumps over the lazy dog."] * 4)]
+    launches = []
+    mixed = triton_attention.paged_mixed_attention
+    monkeypatch.setattr(triton_attention, "paged_mixed_attention", lambda *a, **k: launches.append(a) or mixed(*a, **k))
+    outputs = {}
+    for kernels in ("reference", "triton"):
+        monkeypatch.setenv("MII_SERVER_KERNELS", kernels)
+        pipe = mii_server.pipeline(str(path), dtype="float32", max_ragged_batch_size=16, max_ragged_sequence_count=5)
+        responses = pipe(prompts, max_new_tokens=6, do_sample=False, ignore_eos=True)
+        outputs[kernels] = [r.token_ids for r in responses]
+        pipe.destroy()
+    assert launches  # the mixed steps of the Triton run
     assert outputs["triton"] == outputs["reference"]
