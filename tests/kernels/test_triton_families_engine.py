@@ -24,20 +24,28 @@ import mii_server
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog."]
 
 
+def _greedy_tokens_per_kernels(
+    path: Path, prompts: list[str], monkeypatch: pytest.MonkeyPatch, max_new_tokens: int = 4, max_seqs: int = 3
+) -> dict[str, list[list[int]]]:
+    """Greedy tokens of ``prompts`` with the reference ops, then with the Triton ops. float32 on the
+    CPU too, so both runs compare like with like; a small token budget splits prompts into chunks."""
+    outputs = {}
+    for kernels in ("reference", "triton"):
+        monkeypatch.setenv("MII_SERVER_KERNELS", kernels)
+        pipe = mii_server.pipeline(
+            str(path), dtype="float32", max_ragged_batch_size=16, max_ragged_sequence_count=max_seqs
+        )
+        responses = pipe(prompts, max_new_tokens=max_new_tokens, do_sample=False, ignore_eos=True)
+        outputs[kernels] = [r.token_ids for r in responses]
+        pipe.destroy()
+    return outputs
+
+
 @pytest.mark.parametrize("variant", ["mixtral", "gemma2"])
 def test_triton_ops_generate_what_the_reference_generates(
     variant: str, tiny_checkpoints: Mapping[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    outputs = {}
-    for kernels in ("reference", "triton"):
-        monkeypatch.setenv("MII_SERVER_KERNELS", kernels)
-        # float32 on the CPU too, so both runs compare like with like; a small token budget splits prompts
-        pipe = mii_server.pipeline(
-            str(tiny_checkpoints[variant]), dtype="float32", max_ragged_batch_size=16, max_ragged_sequence_count=3
-        )
-        responses = pipe(PROMPTS, max_new_tokens=4, do_sample=False, ignore_eos=True)
-        outputs[kernels] = [r.token_ids for r in responses]
-        pipe.destroy()
+    outputs = _greedy_tokens_per_kernels(tiny_checkpoints[variant], PROMPTS, monkeypatch)
     assert outputs["triton"] == outputs["reference"]
 
 
@@ -53,13 +61,7 @@ def test_wide_heads_take_the_fused_qkv_kernel_and_generate_what_the_reference_ge
     launches = []
     launch = triton_fused_linear._launch_qkv_rotary
     monkeypatch.setattr(triton_fused_linear, "_launch_qkv_rotary", lambda *a: launches.append(a) or launch(*a))
-    outputs = {}
-    for kernels in ("reference", "triton"):
-        monkeypatch.setenv("MII_SERVER_KERNELS", kernels)
-        pipe = mii_server.pipeline(str(path), dtype="float32", max_ragged_batch_size=16, max_ragged_sequence_count=3)
-        responses = pipe(PROMPTS, max_new_tokens=4, do_sample=False, ignore_eos=True)
-        outputs[kernels] = [r.token_ids for r in responses]
-        pipe.destroy()
+    outputs = _greedy_tokens_per_kernels(path, PROMPTS, monkeypatch)
     assert launches  # the decode steps of the Triton run
     assert outputs["triton"] == outputs["reference"]
 
@@ -78,12 +80,6 @@ def test_mixed_steps_split_their_decode_rows_and_generate_what_the_reference_gen
     launches = []
     mixed = triton_attention.paged_mixed_attention
     monkeypatch.setattr(triton_attention, "paged_mixed_attention", lambda *a, **k: launches.append(a) or mixed(*a, **k))
-    outputs = {}
-    for kernels in ("reference", "triton"):
-        monkeypatch.setenv("MII_SERVER_KERNELS", kernels)
-        pipe = mii_server.pipeline(str(path), dtype="float32", max_ragged_batch_size=16, max_ragged_sequence_count=5)
-        responses = pipe(prompts, max_new_tokens=6, do_sample=False, ignore_eos=True)
-        outputs[kernels] = [r.token_ids for r in responses]
-        pipe.destroy()
+    outputs = _greedy_tokens_per_kernels(path, prompts, monkeypatch, max_new_tokens=6, max_seqs=5)
     assert launches  # the mixed steps of the Triton run
     assert outputs["triton"] == outputs["reference"]
