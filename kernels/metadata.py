@@ -6,7 +6,9 @@ in a global). Kernels import nothing from the engine; this dataclass is their wh
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -44,3 +46,13 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_q_len == 1
+
+    @cached_property
+    def leading_decodes(self) -> AttentionMetadata:
+        """The batch of the first ``num_decode_seqs`` sequences alone (views from the front, so their
+        pointers keep this batch's alignment); built once per batch, shared by every layer."""
+        n = self.num_decode_seqs
+        return dataclasses.replace(
+            self, positions=self.positions[:n], slot_mapping=self.slot_mapping[:n], cu_q_lens=self.cu_q_lens[: n + 1],
+            context_lens=self.context_lens[:n], block_table=self.block_table[:n], max_q_len=1,
+        )  # fmt: skip

@@ -28,7 +28,6 @@ they can be captured in CUDA graphs.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -622,10 +621,7 @@ def paged_mixed_attention(
     out = torch.empty_like(q)
     # why slices only at the front (and first_seq for the rest): Triton compiles a kernel variant
     # per pointer alignment, and a slice from row n would shift it as n changes
-    decode = dataclasses.replace(
-        meta, positions=meta.positions[:n], slot_mapping=meta.slot_mapping[:n], cu_q_lens=meta.cu_q_lens[: n + 1],
-        context_lens=meta.context_lens[:n], block_table=meta.block_table[:n], max_q_len=1,
-    )  # fmt: skip
+    decode = meta.leading_decodes
     paged_decode_attention(q[:n], k_cache, v_cache, decode, scale, num_splits=1, out=out[:n], **options)
     paged_prefill_attention(q[n:], k_cache, v_cache, meta, scale, first_seq=n, out=out[n:], **options)
     return out

@@ -150,12 +150,13 @@ def pack_batch(
         last[n:] = np.arange(n, s)  # padding only happens with t == s: each padded row points at itself
     else:  # the last rows_per_seq[i] tokens of sequence i, in order
         last[:] = np.repeat(cu[1 : n + 1] - rows_per_seq, rows_per_seq) + _ranks(rows_per_seq)
+    single = q_lens == 1  # the leading run of these is the batch's decode rows
     return PackedBatch(
         layout=layout,
         data=data,
         max_q_len=int(q_lens.max(initial=0)),
         max_context_len=int(context[:n].max(initial=0)),
-        num_decode_seqs=int(np.argmin(q_lens == 1)) if (q_lens != 1).any() else n,
+        num_decode_seqs=n if single.all() else int(single.argmin()),
     )
 
 
