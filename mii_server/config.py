@@ -131,10 +131,11 @@ class ModelConfig(BaseModel):
     )
     overlap_scheduling: bool = Field(
         default=True,
-        description="With one rank: queue each step before reading back the previous step's sampled "
-        "tokens (they are fed to the model on the device), so scheduling and request bookkeeping run "
-        "while the device computes. A request that stops early costs one discarded token of compute. "
-        "False waits for every step's tokens before building the next.",
+        description="Queue each step before reading back the previous step's sampled tokens (they are "
+        "fed to the model on the device; under tensor parallelism rank 0 broadcasts them to the other "
+        "ranks on the device), so scheduling and request bookkeeping run while the device computes. "
+        "A request that stops early costs one discarded token of compute. False waits for every "
+        "step's tokens before building the next.",
     )
     enable_prefix_caching: bool = Field(
         default=True,

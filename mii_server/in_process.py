@@ -103,7 +103,7 @@ class FollowerPipeline:
         if self.runtime is None:
             raise EngineDead("this pipeline was destroyed")
         GenerateParams.from_kwargs(**generate_kwargs)  # the same errors as rank 0, on every rank
-        end = follow(self.runtime.engine, self.subscriber)
+        end = follow(self.runtime.engine, self.subscriber, self.runtime.tp)
         return [] if end.responses is None else [Response.from_msg_dict(d) for d in end.responses]
 
     def destroy(self) -> None:

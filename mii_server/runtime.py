@@ -103,11 +103,13 @@ def use_cuda_graphs(config: ModelConfig, device: torch.device, tp: TensorParalle
 
 @dataclass
 class Runtime:
-    """Everything one rank holds: the loaded model, its engine, and (rank 0) the tokenizer."""
+    """Everything one rank holds: the loaded model, its engine, the tokenizer, and the group of
+    tensor-parallel ranks it belongs to."""
 
     loaded: LoadedModel
     engine: InferenceEngine
     tokenizer: Any
+    tp: TensorParallelGroup
 
     @property
     def context_length(self) -> int:
@@ -152,7 +154,7 @@ def build_runtime(
             captured.pool_bytes >> 20,
             free >> 20,
         )
-    return Runtime(loaded=loaded, engine=engine, tokenizer=tokenizer)
+    return Runtime(loaded=loaded, engine=engine, tokenizer=tokenizer, tp=tp)
 
 
 def eos_token_ids(runtime: Runtime) -> frozenset[int]:

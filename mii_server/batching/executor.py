@@ -12,8 +12,6 @@ from .step import Step
 
 class StepExecutor(Protocol):
     engine: InferenceEngine
-    # whether a Step may carry fed-back placeholder tokens (every rank must hold the sampled ids)
-    feeds_back: bool
 
     def execute(self, step: Step) -> torch.Tensor | None:
         """Apply ``step`` (on every rank); rank 0 gets the logits of its sequences, or None."""
@@ -28,8 +26,6 @@ class StepExecutor(Protocol):
 
 class LocalExecutor:
     """One rank holds the whole model: execute in this process."""
-
-    feeds_back = True
 
     def __init__(self, engine: InferenceEngine) -> None:
         self.engine = engine

@@ -70,9 +70,9 @@ class GenerationLoop:
 
     ``overlap``: queue step N+1 before reading back step N's sampled ids, so the host's scheduling
     and bookkeeping run while the device computes. Step N+1 feeds N's tokens from the device
-    (placeholders in its token lists, see ``Step.tokens``), so this needs an executor whose every
-    rank sees the sampled ids: one rank (``LocalExecutor.feeds_back``). A request that stops on a
-    token of step N has one more token computed in N+1, which is discarded.
+    (placeholders in its token lists, see ``Step.tokens``); under tensor parallelism the followers
+    receive those ids from rank 0 on the device (``tensor_parallel.executor.share_fed_back``). A
+    request that stops on a token of step N has one more token computed in N+1, which is discarded.
     """
 
     def __init__(
@@ -91,7 +91,7 @@ class GenerationLoop:
     ) -> None:
         """``vocab_size``: the model's logits width (default: the tokenizer's length)."""
         self.executor = executor
-        self.overlap = overlap and executor.feeds_back
+        self.overlap = overlap
         self._in_flight: _SampledStep | None = None  # launched, ids not read back yet (overlap only)
         self.engine = executor.engine
         self.tokenizer = tokenizer

@@ -55,3 +55,10 @@ class Step:
     @property
     def num_tokens(self) -> int:
         return sum(len(t) for t in self.tokens)
+
+    @property
+    def fed_back_count(self) -> int:
+        """How many of the previous step's sampled ids this step's placeholders name (0: none):
+        the prefix of the engine's fed-back ids every rank must hold before running it."""
+        lowest = min(map(min, self.tokens), default=0)
+        return -lowest if lowest < 0 else 0

@@ -158,6 +158,13 @@ class InferenceEngine:
             raise ValueError(f"can feed back at most {self._fed_back.numel()} ids, got {ids.numel()}")
         self._fed_back[: ids.numel()].copy_(ids)
 
+    def fed_back_ids(self, n: int) -> torch.Tensor:
+        """The first ``n`` fed-back ids, as a view a caller may write into (a tensor-parallel
+        follower receives rank 0's there; see ``tensor_parallel.executor``)."""
+        if n > self._fed_back.numel():
+            raise ValueError(f"at most {self._fed_back.numel()} ids are fed back, not {n}")
+        return self._fed_back[:n]
+
     def put(
         self, uids: Sequence[int], tokens: Sequence[Sequence[int]], full_logits: Sequence[int] = ()
     ) -> torch.Tensor:

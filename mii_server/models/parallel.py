@@ -29,6 +29,13 @@ class TensorParallelGroup:
             dist.all_reduce(x)
         return x
 
+    def broadcast_from_rank0(self, x: torch.Tensor) -> torch.Tensor:
+        """Overwrite ``x`` on every rank with rank 0's, in place (on the device with NCCL: no rank
+        waits on the host)."""
+        if self.size > 1:
+            dist.broadcast(x, src=0)
+        return x
+
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's ``x`` along the last dimension (rank order)."""
         if self.size == 1:

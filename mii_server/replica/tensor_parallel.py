@@ -97,7 +97,7 @@ def run_follower(spec: RankSpec) -> int:
     assert started.subscriber is not None
     gc_heap.freeze_startup_heap(f"rank {link.rank}")
     try:
-        follow(started.runtime.engine, started.subscriber)
+        follow(started.runtime.engine, started.subscriber, started.runtime.tp)
     except EngineDead as err:
         log.error("rank %d: %s; exiting", link.rank, err)
         return 1

@@ -10,6 +10,7 @@ import torch
 from ..batching.executor import run_step
 from ..batching.step import Step
 from ..engine import InferenceEngine
+from ..models.parallel import TensorParallelGroup
 from .channel import StepPublisher, StepSubscriber
 
 log = logging.getLogger(__name__)
@@ -19,18 +20,29 @@ HEARTBEAT_S = 2.0
 FOLLOWER_TIMEOUT_S = 60.0
 
 
+def share_fed_back(engine: InferenceEngine, tp: TensorParallelGroup, step: Step) -> None:
+    """Before ``step`` runs, every rank's fed-back ids become rank 0's, as many as its placeholders
+    name. Only rank 0 samples; it fed the ids back on its device, so the followers receive them by a
+    broadcast on theirs, and no rank waits for the host to read them back (overlap scheduling). Every
+    rank reads the count from the same Step, so the broadcasts pair up."""
+    count = step.fed_back_count
+    if count:
+        tp.broadcast_from_rank0(engine.fed_back_ids(count))
+
+
 class BroadcastExecutor:
     """Rank 0 of T: every Step goes to the followers first, then runs here; collectives inside the
-    forward keep the ranks in lock step. Only rank 0 samples, so Steps carry every token id."""
+    forward keep the ranks in lock step. Only rank 0 samples; a Step's placeholder tokens are filled
+    on every rank from rank 0's sampled ids (``share_fed_back``)."""
 
-    feeds_back = False
-
-    def __init__(self, engine: InferenceEngine, publisher: StepPublisher) -> None:
+    def __init__(self, engine: InferenceEngine, publisher: StepPublisher, tp: TensorParallelGroup) -> None:
         self.engine = engine
         self.publisher = publisher
+        self.tp = tp
 
     def execute(self, step: Step) -> torch.Tensor | None:
         self.publisher.publish(step)
+        share_fed_back(self.engine, self.tp, step)
         return run_step(self.engine, step)
 
     def idle(self) -> None:
@@ -46,11 +58,14 @@ class BroadcastExecutor:
         self.publisher.close()
 
 
-def follow(engine: InferenceEngine, subscriber: StepSubscriber, timeout_s: float = FOLLOWER_TIMEOUT_S) -> Step:
+def follow(
+    engine: InferenceEngine, subscriber: StepSubscriber, tp: TensorParallelGroup, timeout_s: float = FOLLOWER_TIMEOUT_S
+) -> Step:
     """Run every Step rank 0 publishes until one says stop; returns that stop Step. Raises EngineDead
     when rank 0 goes silent."""
     while True:
         step = subscriber.receive(timeout_s)
         if step.stop:
             return step
+        share_fed_back(engine, tp, step)
         run_step(engine, step)

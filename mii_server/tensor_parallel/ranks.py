@@ -49,6 +49,6 @@ def start_rank(
         publisher = publisher or StepPublisher(placement.channel_host, placement.channel_port)
         runtime = build_runtime(config, tp, placement.device)
         publisher.wait_for_subscribers(placement.world_size - 1, SUBSCRIBE_TIMEOUT_S)
-        return StartedRank(runtime, BroadcastExecutor(runtime.engine, publisher), None)
+        return StartedRank(runtime, BroadcastExecutor(runtime.engine, publisher, tp), None)
     subscriber = StepSubscriber(placement.channel_host, placement.channel_port)
     return StartedRank(build_runtime(config, tp, placement.device), None, subscriber)

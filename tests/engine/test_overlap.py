@@ -89,7 +89,6 @@ def test_steps_feed_sampled_tokens_back_before_reading_them(pipes: dict[bool, Pi
 
     class Recording:
         engine = loop.engine
-        feeds_back = True
 
         def execute(self, step: Step) -> torch.Tensor | None:
             steps.append(step)

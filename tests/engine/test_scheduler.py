@@ -45,7 +45,6 @@ class RecordingExecutor:
     engine: InferenceEngine
     prompt_lengths: dict[int, int] = field(default_factory=dict)
     records: list[StepRecord] = field(default_factory=list)
-    feeds_back = True
 
     def execute(self, step: Step) -> torch.Tensor | None:
         for uid in step.flush_uids:

@@ -66,6 +66,19 @@ def test_tp_equals_tp1(
         sharded = json.loads(file.read_text())
         assert sharded["first"] == first
         assert sharded["second"] == second
+    # overlap scheduling is on by default under TP too: every decode step after the first names the
+    # previous step's tokens by placeholders, which the followers receive from rank 0 on the device;
+    # a follower holding wrong ids would embed wrong tokens, and the all-reduces would change rank 0's
+    assert json.loads(written[0].read_text())["overlap"] is True
+
+
+def test_tp_without_overlap_equals_tp1(tiny_checkpoints: Mapping[str, Path], tmp_path: Path) -> None:
+    """overlap_scheduling=False: every Step carries real token ids, and no ids are broadcast."""
+    path = tiny_checkpoints["llama"]
+    (written,) = run_tp(path, 2, PROMPTS, False, tmp_path, overlap_scheduling=False)
+    sharded = json.loads(written.read_text())
+    assert sharded["overlap"] is False
+    assert (sharded["first"], sharded["second"]) == tp1_outputs(path, PROMPTS)
 
 
 def test_tp_prefix_caching_equals_tp1_without(tiny_checkpoints: dict[str, Path], tmp_path: Path) -> None:

@@ -25,7 +25,10 @@ except InvalidRequest:
     assert rank == 0
 second = pipe(prompts[:1], max_new_tokens=4, do_sample=False, ignore_eos=True)  # and the next call works
 result = {"first": [r.token_ids for r in first], "second": [r.token_ids for r in second],
-          "cached": [r.cached_tokens for r in first + second]}  # fmt: skip
+          "cached": [r.cached_tokens for r in first + second],
+          "graphs": pipe.runtime.engine.cuda_graphs is not None}  # fmt: skip
+if rank == 0:
+    result["overlap"] = pipe.loop.overlap
 if rank == 0 or all_ranks:
     with open(f"{out}.{rank}", "w") as f:
         json.dump(result, f)
