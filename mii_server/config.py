@@ -124,10 +124,11 @@ class ModelConfig(BaseModel):
     seed: int = Field(default=0, ge=0, description="Seed for requests that bring none of their own.")
     cuda_graphs: bool = Field(
         default=True,
-        description="On CUDA (one rank, Triton kernels): capture decode-only forwards as CUDA graphs at "
-        "start-up for a ladder of batch sizes and replay them for steps without prompt tokens. Costs a "
-        "few seconds of start-up and the graphs' memory pool (measured and kept out of the KV cache); "
-        "False runs every step eagerly.",
+        description="On CUDA (Triton kernels): capture decode-only forwards as CUDA graphs at start-up "
+        "for a ladder of batch sizes and replay them for steps without prompt tokens; under tensor "
+        "parallelism every rank captures the same ladder with its NCCL collectives inside. Costs a few "
+        "seconds of start-up and the graphs' memory pool (measured and kept out of the KV cache); False "
+        "runs every step eagerly.",
     )
     overlap_scheduling: bool = Field(
         default=True,

@@ -93,12 +93,13 @@ def working_memory_bytes(config: ModelConfig, loaded: LoadedModel, kv_heads: int
     return pool + max(graph, eager)
 
 
-def use_cuda_graphs(config: ModelConfig, device: torch.device, tp: TensorParallelGroup) -> bool:
-    """Decode CUDA graphs need CUDA, one rank (collectives stay eager) and the Triton kernels (the
-    reference attention reads lengths back to the host, which a graph cannot)."""
+def use_cuda_graphs(config: ModelConfig, device: torch.device) -> bool:
+    """Decode CUDA graphs need CUDA and the Triton kernels (the reference attention reads lengths back
+    to the host, which a graph cannot). Under tensor parallelism on CUDA the group is NCCL's
+    (``init_tensor_parallel``), whose collectives are captured with the rest of the forward."""
     from .kernels import get_ops, reference
 
-    return config.cuda_graphs and device.type == "cuda" and tp.size == 1 and get_ops(device) is not reference
+    return config.cuda_graphs and device.type == "cuda" and get_ops(device) is not reference
 
 
 @dataclass
@@ -129,7 +130,7 @@ def build_runtime(
     loaded = load_model(path, config.dtype, device, tp, config.quantization_mode)
     kv_heads = loaded.model.layers[0].self_attn.num_kv_heads
     spec = loaded.spec
-    graphs = use_cuda_graphs(config, device, tp)
+    graphs = use_cuda_graphs(config, device)
     working = working_memory_bytes(config, loaded, kv_heads, graphs) if device.type == "cuda" else 0
     blocks = tp.agree_min(num_kv_blocks(config.kv_cache, loaded, kv_heads, working))
     kv_cache = BlockedKVCache(

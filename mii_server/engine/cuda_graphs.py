@@ -112,7 +112,9 @@ class DecodeGraphs:
             model(with_fed_back(batch.input_ids, self.fed_back), batch.meta, self.kv_cache)
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        # why thread_local: under tensor parallelism the NCCL watchdog thread queries its events while
+        # this thread captures the collectives; the global mode would fail the capture on that
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             logits = model(with_fed_back(batch.input_ids, self.fed_back), batch.meta, self.kv_cache)
         return _Graph(graph=graph, inputs=inputs, logits=logits)
 

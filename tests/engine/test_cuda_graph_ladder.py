@@ -7,7 +7,6 @@ import torch
 
 from mii_server.config import ModelConfig
 from mii_server.engine.cuda_graphs import graph_batch_sizes, pick_rung
-from mii_server.models.parallel import TensorParallelGroup
 from mii_server.runtime import use_cuda_graphs
 
 
@@ -29,6 +28,6 @@ def test_a_batch_pads_to_the_smallest_rung_that_holds_it() -> None:
 
 def test_graphs_only_where_they_can_run() -> None:
     cpu = torch.device("cpu")
-    assert not use_cuda_graphs(ModelConfig(), cpu, TensorParallelGroup())
-    assert not use_cuda_graphs(ModelConfig(cuda_graphs=False), cpu, TensorParallelGroup())
+    assert not use_cuda_graphs(ModelConfig(), cpu)
+    assert not use_cuda_graphs(ModelConfig(cuda_graphs=False), cpu)
     assert ModelConfig().cuda_graphs is True  # on by default where CUDA allows
