@@ -276,7 +276,9 @@ def run_ours(path: Path, args: argparse.Namespace, hf: dict[str, float]) -> None
         plens = torch.randint(64, 2049, (n,), generator=vrng).tolist()
         olens = torch.randint(32, 513, (n,), generator=vrng).tolist()
         pre = loop.scheduler.num_preemptions
-        seconds, tracker, submitted = drive(loop, random_prompts(vrng, plens), olens)
+        with StepTimeline(loop) as timeline:
+            seconds, tracker, submitted = drive(loop, random_prompts(vrng, plens), olens)
+        report("variable_timeline", **timeline.summary())
         ttft = sorted(tracker.first[uid] - submitted[uid] for uid in submitted)
         tps = sum(olens) / seconds
         floor = prefill_seconds(plens) + decode_seconds(plens, olens)
