@@ -48,10 +48,13 @@ class LoopThread:
                     future.cancel()
                     raise ClientGone() from None
 
-    def iterate(self, stream: AsyncIterator[T], gone: Callable[[], bool]) -> Iterator[T]:
-        """The items of an async iterator, as a plain iterator for this thread. Closing it early, or
-        ``gone()`` turning true (``ClientGone``), cancels the stream on the loop."""
-        items: queue.Queue[Any] = queue.Queue()
+    def iterate_batches(self, stream: AsyncIterator[T], gone: Callable[[], bool]) -> Iterator[list[T]]:
+        """The items of an async iterator, for this thread, in batches: each batch holds every item
+        that had arrived by the time it is taken (at least one). A consumer that falls behind thus
+        catches up in fewer, larger hand-offs instead of one thread wake-up per item. The stream starts
+        at once; closing the iterator early, or ``gone()`` turning true (``ClientGone``), cancels it
+        on the loop (so iterate what this returns)."""
+        items: queue.SimpleQueue[Any] = queue.SimpleQueue()
 
         async def pump() -> None:
             try:
@@ -62,24 +65,36 @@ class LoopThread:
                 raise
             items.put(_END)
 
-        future = asyncio.run_coroutine_threadsafe(pump(), self.loop)
-        try:
-            while True:
-                try:
-                    item = items.get(timeout=POLL_S)
-                except queue.Empty:
-                    if gone():
-                        raise ClientGone() from None
-                    continue
-                if item is _END:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            future.cancel()  # no-op once the stream ended
+        return _batches(items, asyncio.run_coroutine_threadsafe(pump(), self.loop), gone)
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
         self.loop.close()
+
+
+def _batches(
+    items: queue.SimpleQueue[Any], pump: concurrent.futures.Future[None], gone: Callable[[], bool]
+) -> Iterator[list[Any]]:
+    """``iterate_batches``' reading side: ``items`` until the end marker, raising what ``pump`` failed
+    with; cancels ``pump`` when left."""
+    try:
+        while True:
+            try:
+                batch = [items.get(timeout=POLL_S)]
+            except queue.Empty:
+                if gone():
+                    raise ClientGone() from None
+                continue
+            while not items.empty():
+                batch.append(items.get_nowait())
+            for i, item in enumerate(batch):
+                if item is _END or isinstance(item, BaseException):
+                    if i:
+                        yield batch[:i]  # what arrived before the end or the failure
+                    if item is _END:
+                        return
+                    raise item
+            yield batch
+    finally:
+        pump.cancel()  # no-op once the stream ended
