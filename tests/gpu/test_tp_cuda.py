@@ -14,14 +14,9 @@ import pytest
 import torch
 from server.helpers import free_port_block
 from tensor_parallel.test_tp_pipeline import PROMPTS, run_tp, tp1_outputs
+from test_engine_cuda import agreement
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    """Share of tokens in the common prefixes (greedy paths part for good at the first difference)."""
-    same = sum(next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), len(p)) for p, q in zip(a, b))
-    return same / sum(len(p) for p in a)
 
 
 def test_nccl_collectives_replay_inside_a_cuda_graph() -> None:
