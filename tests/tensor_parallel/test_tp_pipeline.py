@@ -72,6 +72,17 @@ def test_tp_equals_tp1(
     assert json.loads(written[0].read_text())["overlap"] is True
 
 
+def test_tp_preempting_with_overlap_equals_tp1(tiny_checkpoints: Mapping[str, Path], tmp_path: Path) -> None:
+    """A cache too small for every prompt at once: requests are preempted (blocks freed, tokens
+    recomputed) while steps overlap. The followers free and recompute what rank 0's Steps say."""
+    path = tiny_checkpoints["llama"]
+    config = {"kv_cache": {"block_size": 4, "num_blocks": 14}}
+    (written,) = run_tp(path, 2, PROMPTS, False, tmp_path, **config)
+    sharded = json.loads(written.read_text())
+    assert sharded["overlap"] is True and sharded["preemptions"] > 0
+    assert (sharded["first"], sharded["second"]) == tp1_outputs(path, PROMPTS, **config)
+
+
 def test_tp_without_overlap_equals_tp1(tiny_checkpoints: Mapping[str, Path], tmp_path: Path) -> None:
     """overlap_scheduling=False: every Step carries real token ids, and no ids are broadcast."""
     path = tiny_checkpoints["llama"]

@@ -29,6 +29,7 @@ result = {"first": [r.token_ids for r in first], "second": [r.token_ids for r in
           "graphs": pipe.runtime.engine.cuda_graphs is not None}  # fmt: skip
 if rank == 0:
     result["overlap"] = pipe.loop.overlap
+    result["preemptions"] = pipe.loop.scheduler.num_preemptions
 if rank == 0 or all_ranks:
     with open(f"{out}.{rank}", "w") as f:
         json.dump(result, f)
