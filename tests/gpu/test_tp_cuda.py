@@ -33,6 +33,22 @@ def test_nccl_collectives_replay_inside_a_cuda_graph() -> None:
     assert run.stdout.count(": ok") == ranks
 
 
+def test_engine_graphs_hold_nccl_collectives_and_replay_the_eager_tokens(checkpoint: Path, tmp_path: Path) -> None:
+    """On one GPU: the engine's own decode graphs captured with its collectives on NCCL (forced through
+    NCCL on a one-rank group, as a TP rank runs them), replayed, generate the eager forward's tokens."""
+    out = tmp_path / "result.json"
+    port = free_port_block(1)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+           "--master-addr", "127.0.0.1", "--master-port", str(port),
+           str(Path(__file__).with_name("nccl_engine_graph_script.py")), str(checkpoint), str(out)]  # fmt: skip
+    run = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr[-6000:]
+    result = json.loads(out.read_text())
+    assert result["graphs"] == [1, 2, 4, 8]
+    assert result["collectives_at_load"] > 0
+    assert result["with_graphs"] == result["eager"]  # float32: the same kernels, replayed or not
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_tp2_captures_graphs_on_every_rank_and_generates_what_one_rank_does(checkpoint: Path, tmp_path: Path) -> None:
     config = {"device": "cuda", "dtype": "float32", "max_ragged_sequence_count": 8,
