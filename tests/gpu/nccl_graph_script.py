@@ -11,7 +11,7 @@ from mii_server.tensor_parallel.distributed import init_tensor_parallel
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-tp = init_tensor_parallel(rank, world, device, init_method="env://")
+init_tensor_parallel(rank, world, device, init_method="env://")
 x = torch.zeros(8, device=device)
 ids = torch.zeros(4, dtype=torch.int64, device=device)
 # the communicator exists before capture, as the engine's load-time agree_min makes it
