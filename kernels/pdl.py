@@ -21,7 +21,10 @@ The few-row 16-bit GEMMs read their first K tile of the weight before the wait a
 their main loop (same command: bf16 4.27 -> 4.22). Multiplied before the loop, it held back the
 loop's first loads (4.32 against 4.27). The same in the int8 kernel (``--quantization-mode int8``:
 3.63 -> 3.81) and the fp8 GEMM (``--quantization-mode fp8``: 3.13 -> 3.66) made them slower, so they
-stream every tile after the wait.
+stream every tile after the wait. Instead, the few-row fp8 GEMM and fp8 q/k/v ask L2 for their first
+two K tiles before the wait (``pdl_prefetch_rows``: a hint, no registers held), so HBM fetches them
+while the short kernel before runs (fp8 3.047 -> 3.032 ms; the same hint in the 16-bit kernels and
+the decode attention gained nothing, docs/BENCHMARKS.md).
 
 It is on wherever it is supported, except in a process that built a model with weight-only int8 or
 FP6 linears (``off_for_weight_only_models``); ``MII_SERVER_PDL=1`` / ``0`` forces it on or off. By
@@ -83,6 +86,26 @@ def pdl_release(PDL: tl.constexpr):
     """Let the next kernel in the stream be scheduled (no-op without PDL)."""
     if PDL:
         gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_prefetch_rows(row_ptrs, LINES: tl.constexpr, PDL: tl.constexpr):
+    """Before ``pdl_wait``: ask L2 for the first ``LINES`` 128-byte lines of each row that ``row_ptrs``
+    [R] points at (weights: no kernel writes them). No result and no wait; a no-op without PDL, where
+    nothing runs before the loads that would need it."""
+    if PDL and LINES > 0:
+        per_line: tl.constexpr = 1024 // row_ptrs.dtype.element_ty.primitive_bitwidth
+        ptrs = row_ptrs[:, None] + (tl.arange(0, LINES) * per_line)[None, :]
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+        )
+
+
+def prefetch_lines(row_bytes: int, wanted_bytes: int) -> int:
+    """``pdl_prefetch_rows``' LINES for ``wanted_bytes`` of rows ``row_bytes`` long: a power of two
+    (a ``tl.arange`` length), none past the row."""
+    lines = min(row_bytes, wanted_bytes) // 128
+    return 1 << (lines.bit_length() - 1) if lines else 0
 
 
 @functools.lru_cache(maxsize=8)

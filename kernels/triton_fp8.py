@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_launch, pdl_prologue
+from .pdl import pdl_launch, pdl_prefetch_rows, pdl_prologue, prefetch_lines
 from .reference_quant import FP8_MAX, FP8_SCALE_FLOOR, Fp8Rows
 from .triton_attention import _num_sms
 from .triton_pointwise import to_fp8
@@ -29,6 +29,7 @@ from .triton_quant import gemm_tile, store_gemm_tile
 FP8_GEMMS = ("auto", "triton", "scaled_mm")
 TRITON_MAX_ROWS = 16  # gemm="auto": the Triton GEMM's weight-bound tile regime (see _tiles)
 FP8_MMA_K = 32  # the K of one Hopper fp8 wgmma: accumulation is promoted to fp32 after each
+PREFETCH_K_TILES = 2  # few rows: K tiles of the weight asked of L2 before the PDL wait (see pdl.py)
 
 
 @triton.jit
@@ -73,10 +74,12 @@ def _fp8_gemm_kernel(
     M, N, K, stride_qm, stride_wn, stride_ws, stride_om,
     GROUP_K: tl.constexpr, PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROMOTE_K: tl.constexpr,
-    PDL: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl_prologue(PDL)
     rm, rn, m_ok, n_ok = gemm_tile(M, N, BLOCK_M, BLOCK_N)
+    # the last tile's spare columns prefetch a real row
+    pdl_prefetch_rows(w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_wn, PREFETCH_LINES, PDL)
+    pdl_prologue(PDL)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -139,6 +142,7 @@ def fp8_gemm_triton(
         m, n, k, q.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
         GROUP_K=group_k, PER_GROUP=groups > 1, HAS_BIAS=bias is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PROMOTE_K=min(bk, FP8_MMA_K), num_warps=warps, num_stages=stages,
+        PREFETCH_LINES=prefetch_lines(k, PREFETCH_K_TILES * bk) if m <= TRITON_MAX_ROWS else 0,
         **pdl_launch(q.device),
     )  # fmt: skip
     return out

@@ -22,11 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_launch, pdl_release, pdl_wait
+from .pdl import pdl_launch, pdl_prefetch_rows, pdl_release, pdl_wait, prefetch_lines
 from .reference import split_qkv
 from .reference_quant import Fp8Rows
 from .triton_attention import _dot_precision
-from .triton_fp8 import FP8_MMA_K, TRITON_MAX_ROWS, fp8_linear, quantize_fp8_per_token
+from .triton_fp8 import FP8_MMA_K, PREFETCH_K_TILES, TRITON_MAX_ROWS, fp8_linear, quantize_fp8_per_token
 from .triton_pointwise import act_and_mul_values, gelu_tanh_and_mul, rotary_kv_append, silu_and_mul
 from .triton_quant import few_row_product, fit_k_step, gemm_tile
 
@@ -128,7 +128,8 @@ def _linear_rotary_kv_append_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_cos_sin,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HAS_BIAS: tl.constexpr, FP8: tl.constexpr, DOT_PREC: tl.constexpr, PROMOTE_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """A program owns BLOCK_N columns of one half of one head and the same columns of its other half
     (the pairs rotary mixes), for BLOCK_M rows; heads run q, then k, then v, as the packed weight's rows.
@@ -146,7 +147,9 @@ def _linear_rotary_kv_append_kernel(
     acc_first = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_second = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # why the first K tile apart: see triton_quant._weight_only_gemm_kernel (fp8 weights stream every
-    # tile, as the fp8 GEMM does: held apart, it was slower there)
+    # tile, as the fp8 GEMM does: held apart, it was slower there; they are prefetched to L2 instead)
+    rows = (head * 2 * HALF + c).to(tl.int64)
+    pdl_prefetch_rows(w_ptr + tl.join(rows, rows + HALF).reshape(2 * BLOCK_N) * stride_wn, PREFETCH_LINES, PDL)
     PEEL: tl.constexpr = not FP8
     if PEEL:
         tile0_first = tl.load(first_cols + rk[:, None], mask=(rk < K)[:, None], other=0.0)  # [BK, BN]
@@ -327,5 +330,6 @@ def _launch_qkv_rotary(
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, BLOCK_SIZE=block_size,
         HAS_BIAS=bias is not None, FP8=fp8, DOT_PREC=_dot_precision(dtype), PROMOTE_K=min(bk, FP8_MMA_K),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **pdl_launch(x.device),
+        PREFETCH_LINES=prefetch_lines(k, PREFETCH_K_TILES * bk) if fp8 else 0,  # 16-bit: no gain measured
     )  # fmt: skip
     return q

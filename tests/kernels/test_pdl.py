@@ -44,6 +44,13 @@ def test_a_bad_setting_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         pdl.pdl_launch(torch.device("cpu"))
 
 
+def test_prefetch_lines_are_a_power_of_two_within_the_row() -> None:
+    assert pdl.prefetch_lines(4096, 1024) == 8  # two 512-byte K tiles of an fp8 row
+    assert pdl.prefetch_lines(14336, 2048) == 16
+    assert pdl.prefetch_lines(1000, 2048) == 4  # 7 lines of the row, rounded down to a power of two
+    assert pdl.prefetch_lines(64, 1024) == 0  # a row shorter than a line: nothing
+
+
 def _decode_chain(x: torch.Tensor, residual: torch.Tensor, norm: torch.Tensor, w1, w2, w3) -> torch.Tensor:
     """A decoder MLP's kernels at one row as an fp8 step runs them: norm quantized, product, activation
     quantized, product, then the plain norm and dense product of the next step."""
