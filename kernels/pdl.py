@@ -23,8 +23,8 @@ loop's first loads (4.32 against 4.27). The same in the int8 kernel (``--quantiz
 3.63 -> 3.81) and the fp8 GEMM (``--quantization-mode fp8``: 3.13 -> 3.66) made them slower, so they
 stream every tile after the wait. Instead, the few-row fp8 GEMM and fp8 q/k/v ask L2 for their first
 two K tiles before the wait (``pdl_prefetch_rows``: a hint, no registers held), so HBM fetches them
-while the short kernel before runs (fp8 3.047 -> 3.032 ms; the same hint in the 16-bit kernels and
-the decode attention gained nothing, docs/BENCHMARKS.md).
+while the short kernel before runs (fp8 3.048 -> 3.036 ms, means of four and five runs; the same
+hint in the 16-bit kernels and the decode attention made bf16 slower, docs/BENCHMARKS.md).
 
 It is on wherever it is supported, except in a process that built a model with weight-only int8 or
 FP6 linears (``off_for_weight_only_models``); ``MII_SERVER_PDL=1`` / ``0`` forces it on or off. By
