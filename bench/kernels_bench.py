@@ -3,11 +3,13 @@
 - decode: batch 64, context 2048 (``--decode-shape``), Llama-3-8B heads (32 q / 8 kv, D=128), bf16;
   achieved bytes/s (K+V read plus q and out) as a fraction of the HBM ceiling.
 - ``--mixed``: steps of decode rows beside prompt chunks, the ragged kernel alone against the decode
-  rows split out to the decode kernel (``paged_mixed_attention``).
-- prefill: 8 sequences x 2048 new tokens (``--prefill-lengths``: any fresh lengths), same heads;
-  achieved causal TFLOP/s as a fraction of the dense bf16 matmul rate; beside it every library
-  kernel torch offers for the same problem (FlashAttention-2 varlen, cuDNN varlen, dense and per
-  sequence, SDPA's backends), each checked first.
+  rows split out to the decode kernel (``paged_mixed_attention``; its prompt rows go to
+  FlashAttention-4 where installed and usable, as ``prompts_by`` says).
+- prefill: 8 sequences x 2048 new tokens (``--prefill-lengths``: any lengths; ``--prefill-cached``:
+  tokens already cached before each), same heads; achieved causal TFLOP/s as a fraction of the dense
+  bf16 matmul rate; beside it every library kernel for the same problem (FlashAttention-4 on the
+  paged cache where installed, FlashAttention-2 varlen, cuDNN varlen, dense and per sequence, SDPA's
+  backends), each checked first.
 - ``--gemm``: the same linears at decode's few rows, cuBLAS against our Triton GEMMs on bf16 (where
   ``dense_linear`` takes them), int8 and fp8 weights, each against its weight-read floor;
   ``--sweep gemm`` times every tile shape of the Triton GEMMs instead of their defaults.
@@ -41,6 +43,7 @@ import triton
 from triton.testing import do_bench
 
 from mii_server.kernels import (
+    fa4_attention,
     reference,
     triton_argmax,
     triton_attention,
@@ -88,20 +91,20 @@ def make_batch(
     return q, k_cache, v_cache, meta
 
 
-def _report(name: str, ms: float, **fields: float) -> dict:
-    row = {"bench": name, "ms": round(ms, 4), **{k: round(v, 4) for k, v in fields.items()}}
+def _report(name: str, ms: float, **fields: float | str) -> dict:
+    row = {"bench": name, "ms": round(ms, 4), **{k: round(v, 4) if isinstance(v, float) else v for k, v in fields.items()}}
     print(json.dumps(row), flush=True)
     return row
 
 
-def time_against_reference(q, k_cache, v_cache, meta, scale) -> tuple[float, float]:
+def time_against_reference(
+    q, k_cache, v_cache, meta, scale, kernel=triton_attention.paged_attention
+) -> tuple[float, float]:
     """(reference ms, Triton ms) of paged attention on one batch, after checking they agree."""
     ref_ms = do_bench(lambda: reference.paged_attention(q, k_cache, v_cache, meta, scale), rep=200)
     expected = reference.paged_attention(q, k_cache, v_cache, meta, scale)
-    torch.testing.assert_close(
-        triton_attention.paged_attention(q, k_cache, v_cache, meta, scale), expected, atol=2e-2, rtol=2e-2
-    )
-    ms = do_bench(lambda: triton_attention.paged_attention(q, k_cache, v_cache, meta, scale), rep=300)
+    torch.testing.assert_close(kernel(q, k_cache, v_cache, meta, scale), expected, atol=2e-2, rtol=2e-2)
+    ms = do_bench(lambda: kernel(q, k_cache, v_cache, meta, scale), rep=300)
     return ref_ms, ms
 
 
@@ -142,15 +145,19 @@ def bench_decode(sweep: bool, block_size: int, batch: int, ctx: int) -> list[dic
     return rows
 
 
-def bench_prefill(sweep: bool, block_size: int, lengths: list[int]) -> list[dict]:
+def bench_prefill(sweep: bool, block_size: int, lengths: list[int], cached: int = 0) -> list[dict]:
     hq, hk, d = 32, 8, 128
-    q, k_cache, v_cache, meta = make_batch([(n, n) for n in lengths], hq, hk, d, block_size, torch.bfloat16)
+    seqs = [(n, cached + n) for n in lengths]
+    q, k_cache, v_cache, meta = make_batch(seqs, hq, hk, d, block_size, torch.bfloat16)
     scale = d**-0.5
-    flops = sum(4 * hq * d * n * (n + 1) / 2 for n in lengths)  # QK^T and PV over the causal triangles
+    # QK^T and PV: each new token attends to the cached prefix and, causally, to the new tokens before it
+    flops = sum(4 * hq * d * (n * cached + n * (n + 1) / 2) for n in lengths)
     rows = []
-    ref_ms, ms = time_against_reference(q, k_cache, v_cache, meta, scale)
+    # the Triton kernel itself: the dispatch would hand this batch to FlashAttention-4 where installed
+    ref_ms, ms = time_against_reference(q, k_cache, v_cache, meta, scale, triton_attention.paged_prefill_attention)
     tf = flops / ms / 1e-3
     label = f"{len(lengths)}x{lengths[0]}" if len(set(lengths)) == 1 else f"{len(lengths)}_seqs_{sum(lengths)}_tokens"
+    label += f"_after{cached}" if cached else ""
     rows.append(_report(
         f"prefill_{label}_bs{block_size}", ms, TFLOPs=tf / 1e12, frac_bf16=tf / BF16_FLOPS,
         reference_ms=ref_ms, speedup_vs_reference=ref_ms / ms,
@@ -215,10 +222,11 @@ def bench_mixed(block_size: int, steps: list[tuple[int, int]] = MIXED_STEPS) -> 
             torch.testing.assert_close(run(), expected, atol=2e-2, rtol=2e-2)
             timed[name] = do_bench(run, rep=200)
         decode_bytes = 2 * sum(contexts) * hk * d * 2  # K + V of the decode rows' contexts
+        prompts_by = "fa4" if fa4_attention.usable(q, k_cache, v_cache, prompt_tokens) else "triton"
         rows.append(_report(
             f"mixed_{decodes}dec_{prompt_tokens}tok_bs{block_size}", timed["decode_split"],
             ragged_only_ms=timed["ragged_only"], speedup=timed["ragged_only"] / timed["decode_split"],
-            decode_kv_floor_ms=decode_bytes / HBM_BYTES_PER_S * 1e3,
+            decode_kv_floor_ms=decode_bytes / HBM_BYTES_PER_S * 1e3, prompts_by=prompts_by,
         ))  # fmt: skip
     return rows
 
@@ -245,7 +253,12 @@ def bench_prefill_library(q, k_cache, v_cache, meta, scale, flops) -> list[dict]
       sequence has the same length, so the ragged batch is that layout without a copy;
     - ``sdpa_cudnn_per_sequence``: what a dispatch of ragged fresh prompts to cuDNN would run: one
       SDPA call per sequence on [1, H, L, D] views of the ragged tensors, each output copied into
-      place.
+      place;
+    - ``fa4_paged*``: FlashAttention-4's CuTe kernels (the ``flash-attn-4`` package, Hopper's kernel on
+      an H200) read straight from the paged cache, where installed (see ``fa4_candidates``).
+
+    Each row also gives ``host_us``: the caller's time per call, launches included, without waiting
+    for the device.
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -292,6 +305,7 @@ def bench_prefill_library(q, k_cache, v_cache, meta, scale, flops) -> list[dict]
         "cudnn_varlen_mha": lambda: torch.ops.aten._cudnn_attention_forward(
             q, k_mha, v_mha, None, meta.cu_q_lens, cu_k, max_q, max_k, False, 0.0, True, scale=scale)[0],
     }  # fmt: skip
+    candidates.update(fa4_candidates(q, k_cache, v_cache, meta, scale))
     if meta.context_lens.eq(length).all() and q.shape[0] == nseq * length:
         for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
                               ("efficient", SDPBackend.EFFICIENT_ATTENTION)):  # fmt: skip
@@ -312,8 +326,47 @@ def bench_prefill_library(q, k_cache, v_cache, meta, scale, flops) -> list[dict]
             continue
         rate = flops / ms / 1e-3
         rows.append(_report(f"prefill_{name}", ms, TFLOPs=rate / 1e12, frac_bf16=rate / BF16_FLOPS,
-                            first_call_ms=first_ms))  # fmt: skip
+                            first_call_ms=first_ms, host_us=_host_us(run)))  # fmt: skip
     return rows
+
+
+def _host_us(run, calls: int = 10) -> float:
+    """Mean time a call takes on the host, the device left to run behind it."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        run()
+    host = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def fa4_candidates(q, k_cache, v_cache, meta, scale) -> dict:
+    """FlashAttention-4 (``flash_attn.cute``) on the paged cache as it is: the batch's cumulative query
+    lengths, the contexts as ``seqused_k`` and the block table as its page table.
+
+    - ``fa4_paged``: the public ``flash_attn_varlen_func`` with its own tiles (128 x 128 at D = 128
+      on Hopper; a cache block of another size makes it gather K/V by cp.async instead of TMA);
+    - ``fa4_paged_tile_n<block>``: its forward with the key tile set to the cache block, so that
+      each tile is one TMA copy.
+    """
+    try:
+        from flash_attn.cute import interface as fa4
+    except ImportError as exc:
+        print(json.dumps({"bench": "prefill_fa4", "error": f"flash-attn-4 not importable: {exc}"}))
+        return {}
+    paged = {
+        "cu_seqlens_q": meta.cu_q_lens, "seqused_k": meta.context_lens, "max_seqlen_q": meta.max_q_len,
+        "max_seqlen_k": meta.max_context_len, "page_table": meta.block_table, "softmax_scale": scale,
+        "causal": True,
+    }  # fmt: skip
+    block_size = k_cache.shape[1]
+    candidates = {"fa4_paged": lambda: fa4.flash_attn_varlen_func(q, k_cache, v_cache, **paged)[0]}
+    if block_size == 64:
+        candidates[f"fa4_paged_tile_n{block_size}"] = lambda: fa4._flash_attn_fwd(
+            q, k_cache, v_cache, tile_mn=(128, block_size), **paged
+        )[0]
+    return candidates
 
 
 # Llama-3-8B's linear layers, (N, K): qkv, o_proj, gate_up, down, LM head
@@ -588,6 +641,10 @@ def main() -> None:
         help="prompt lengths of the prefill case, all fresh (default: 8 x 2048)",
     )  # fmt: skip
     parser.add_argument(
+        "--prefill-cached", type=int, default=0,
+        help="tokens each prompt of the prefill case has in the cache before its new ones (default: 0)",
+    )  # fmt: skip
+    parser.add_argument(
         "--mixed", action="store_true", help="also time mixed steps: the ragged kernel alone against the decode split"
     )
     parser.add_argument("--no-attention", action="store_true", help="skip the attention benchmarks")
@@ -601,7 +658,7 @@ def main() -> None:
     for block_size in [] if args.no_attention else args.block_size:
         sweep = set() if args.sweep is None else set(args.sweep or ("decode", "prefill", "gemm"))
         rows += bench_decode("decode" in sweep, block_size, *args.decode_shape)
-        rows += bench_prefill("prefill" in sweep, block_size, args.prefill_lengths)
+        rows += bench_prefill("prefill" in sweep, block_size, args.prefill_lengths, args.prefill_cached)
         if args.mixed:
             rows += bench_mixed(block_size)
     if args.fused:

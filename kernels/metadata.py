@@ -56,3 +56,16 @@ class AttentionMetadata:
             self, positions=self.positions[:n], slot_mapping=self.slot_mapping[:n], cu_q_lens=self.cu_q_lens[: n + 1],
             context_lens=self.context_lens[:n], block_table=self.block_table[:n], max_q_len=1,
         )  # fmt: skip
+
+    @cached_property
+    def trailing_prompts(self) -> AttentionMetadata:
+        """The batch of the sequences after the first ``num_decode_seqs`` alone, counted from zero (their
+        ``cu_q_lens`` rebased), for a kernel that takes no ``first_seq`` offset; built once per batch."""
+        n = self.num_decode_seqs
+        start = self.cu_q_lens[n : n + 1]
+        return dataclasses.replace(
+            self, positions=self.positions[n:], slot_mapping=self.slot_mapping[n:],
+            cu_q_lens=self.cu_q_lens[n:] - start, context_lens=self.context_lens[n:],
+            block_table=self.block_table[n:], last_token_indices=self.last_token_indices[n:] - start.long(),
+            num_decode_seqs=0,
+        )  # fmt: skip

@@ -16,6 +16,8 @@ Two kernels share one tile step (online softmax in fp32, exp2 domain):
   runs as two launches (``paged_mixed_attention``): those rows through the decode kernel, unsplit,
   and the other sequences through the prefill kernel from ``first_seq``. In the prefill kernel alone a
   decode row takes a whole BLOCK_Q-token tile for its one token.
+- Where FlashAttention-4 is installed and usable (``fa4_attention``: Hopper, a prompt batch of at
+  least ``MIN_PROMPT_TOKENS`` rows), it takes the prefill kernel's part of the batch.
 
 Both take the options of ``reference.paged_attention``: a sliding window (SLIDING: tiles wholly
 before a query block's window are skipped, the rest masked) and a logit soft-cap (SOFTCAP). Either
@@ -36,6 +38,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from . import fa4_attention
 from .counters import zeroed_counters
 from .metadata import AttentionMetadata
 from .pdl import pdl_launch, pdl_prologue
@@ -576,7 +579,8 @@ def paged_attention(
     Decode-only batches (``meta.max_q_len == 1``) take the split-K decode kernel. A mixed batch whose
     leading decode rows (``meta.num_decode_seqs``) fill the GPU (``fills_gpu_unsplit``) sends them to
     the decode kernel and the rest to the ragged prefill kernel; any other batch takes the prefill
-    kernel alone, which also serves the decode tokens mixed into it.
+    kernel alone, which also serves the decode tokens mixed into it. Where ``fa4_attention.usable``
+    (FlashAttention-4 installed, on Hopper), FlashAttention-4 takes the ragged kernel's part.
     """
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert k_cache.shape[1] & (k_cache.shape[1] - 1) == 0, "block_size must be a power of two"
@@ -586,6 +590,8 @@ def paged_attention(
         return paged_decode_attention(q, k_cache, v_cache, meta, scale, **options)
     if fills_gpu_unsplit(meta.num_decode_seqs, k_cache.shape[2], q.device):
         return paged_mixed_attention(q, k_cache, v_cache, meta, scale, **options)
+    if fa4_attention.usable(q, k_cache, v_cache, q.shape[0], **options):
+        return fa4_attention.paged_prefill_attention(q, k_cache, v_cache, meta, scale)
     return paged_prefill_attention(q, k_cache, v_cache, meta, scale, **options)
 
 
@@ -623,5 +629,8 @@ def paged_mixed_attention(
     # per pointer alignment, and a slice from row n would shift it as n changes
     decode = meta.leading_decodes
     paged_decode_attention(q[:n], k_cache, v_cache, decode, scale, num_splits=1, out=out[:n], **options)
-    paged_prefill_attention(q[n:], k_cache, v_cache, meta, scale, first_seq=n, out=out[n:], **options)
+    if fa4_attention.usable(q, k_cache, v_cache, q.shape[0] - n, **options):
+        fa4_attention.paged_prefill_attention(q[n:], k_cache, v_cache, meta.trailing_prompts, scale, out=out[n:])
+    else:
+        paged_prefill_attention(q[n:], k_cache, v_cache, meta, scale, first_seq=n, out=out[n:], **options)
     return out

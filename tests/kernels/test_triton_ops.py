@@ -21,7 +21,7 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no GPU and TRITON_INTERPRET is not set", allow_module_level=True)
 
-from mii_server.kernels import triton_attention, triton_ops
+from mii_server.kernels import fa4_attention, triton_attention, triton_ops
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 # the interpreter runs numpy: fp32 and fp16 there (its bf16 arithmetic is unreliable); bf16 on the GPU
@@ -249,6 +249,46 @@ def test_mixed_batch_sends_its_decode_rows_to_the_decode_kernel(case) -> None:
     assert 1 <= meta.num_decode_seqs < len(case[4])
     _check_attention(dtype, *case, triton_attention.paged_mixed_attention)
     _check_attention(dtype, *case, triton_attention.paged_prefill_attention)
+
+
+def test_trailing_prompts_attend_as_in_the_whole_batch() -> None:
+    """The batch after its leading decode rows, counted from zero, gives those rows' answers."""
+    dtype = DTYPES[0]
+    case = MIXED_CASES[-1] if not ON_GPU else MIXED_CASES[0]
+    q_heads, kv_heads, head_dim, block_size, seqs = case
+    k_cache, v_cache, meta = _ragged_batch(seqs, kv_heads, head_dim, block_size, dtype)
+    n = meta.num_decode_seqs
+    assert n >= 1
+    rest = meta.trailing_prompts
+    assert rest.cu_q_lens.tolist() == [c - n for c in meta.cu_q_lens.tolist()[n:]]
+    assert rest.num_seqs == len(seqs) - n and rest.num_decode_seqs == 0
+    q = _rand(sum(q for q, _ in seqs), q_heads, head_dim, dtype=dtype)
+    whole = reference.paged_attention(q, k_cache, v_cache, meta, 0.2)
+    torch.testing.assert_close(reference.paged_attention(q[n:], k_cache, v_cache, rest, 0.2), whole[n:])
+
+
+# prompt batches the dispatch hands to FlashAttention-4 (at least fa4_attention.MIN_PROMPT_TOKENS rows):
+# fresh prompts, prompts after a cached prefix, decode rows mixed in, and decode rows enough to be split
+# out to the decode kernel (fills_gpu_unsplit) with the prompts after them
+FA4_CASES = [
+    (32, 8, 128, 64, [(2048, 2048), (1500, 1500), (300, 1200), (9, 9)]),
+    (32, 8, 128, 128, [(1, 500), (1100, 1100), (77, 3000)]),
+    (32, 8, 128, 64, [(1, 64 + 37 * i) for i in range(40)] + [(1024, 1024), (200, 900)]),
+    (16, 2, 64, 64, [(700, 1000), (700, 700)]),
+]
+
+
+@pytest.mark.skipif(not (ON_GPU and fa4_attention._is_hopper(DEVICE)), reason="FlashAttention-4 runs on Hopper here")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", FA4_CASES)
+def test_prompt_rows_by_flash_attention_4(dtype, case) -> None:
+    pytest.importorskip("flash_attn.cute", reason="the optional flash-attn-4 package")
+    q_heads, kv_heads, head_dim, block_size, seqs = case
+    k_cache, v_cache, meta = _ragged_batch(seqs, kv_heads, head_dim, block_size, dtype)
+    prompt_tokens = sum(q for q, _ in seqs[meta.num_decode_seqs :])
+    q = _rand(prompt_tokens, q_heads, head_dim, dtype=dtype)
+    assert fa4_attention.usable(q, k_cache, v_cache, prompt_tokens)  # so the dispatch below takes it
+    _check_attention(dtype, *case, triton_ops.paged_attention)
 
 
 def test_mixed_batches_split_once_their_decode_rows_fill_the_gpu() -> None:
