@@ -20,12 +20,17 @@ entry point, the public one has no such argument.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from types import ModuleType
 
 import torch
 
 from .metadata import AttentionMetadata
+
+_log = logging.getLogger(__name__)
+# what the library raised on the batch it refused; once it holds one, auto mode stops using it
+_refused: list[Exception] = []
 
 PREFILL_ATTENTION_ENV = "MII_SERVER_PREFILL_ATTENTION"
 CHOICES = ("auto", "triton", "flash_attn_4")
@@ -60,9 +65,12 @@ def _load(required: bool) -> ModuleType | None:
 
 
 def library() -> ModuleType | None:
-    """``flash_attn.cute.interface`` when it is importable and not turned off, else None."""
+    """``flash_attn.cute.interface`` when it is importable and not turned off (nor refused a batch
+    in this process), else None."""
     wanted = choice()
-    return None if wanted == "triton" else _load(wanted == "flash_attn_4")
+    if wanted == "triton" or (_refused and wanted == "auto"):
+        return None
+    return _load(wanted == "flash_attn_4")
 
 
 @functools.lru_cache(maxsize=8)
@@ -100,17 +108,33 @@ def usable(
 def paged_prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
     *, out: torch.Tensor | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor | None:  # fmt: skip
     """Causal attention of every sequence of ``meta`` (q holds all their new tokens) over the paged
-    cache, into ``out`` (a new tensor when None); the contract of ``reference.paged_attention``."""
+    cache, into ``out`` (a new tensor when None); the contract of ``reference.paged_attention``.
+
+    None when the library refused the batch before launching anything (it checks its inputs and
+    compiles a kernel per configuration on first use): the caller runs its own kernel instead, and,
+    unless ``flash_attn_4`` was asked for (then the error is raised), this process uses
+    FlashAttention-4 no more, after one warning.
+    """
     fa4 = library()
     assert fa4 is not None, "FlashAttention-4 is not available; check usable() first"
     block_size = k_cache.shape[1]
     # 128 x 128 tiles are its own choice at D = 128; 64-key tiles keep a 64-slot block one TMA copy
     tiles = (128, block_size) if block_size < 128 else None
-    result = fa4._flash_attn_fwd(
-        q, k_cache, v_cache, cu_seqlens_q=meta.cu_q_lens, seqused_k=meta.context_lens,
-        max_seqlen_q=meta.max_q_len, max_seqlen_k=meta.max_context_len, page_table=meta.block_table,
-        softmax_scale=scale, causal=True, tile_mn=tiles, out=out,
-    )  # fmt: skip
+    try:
+        result = fa4._flash_attn_fwd(
+            q, k_cache, v_cache, cu_seqlens_q=meta.cu_q_lens, seqused_k=meta.context_lens,
+            max_seqlen_q=meta.max_q_len, max_seqlen_k=meta.max_context_len, page_table=meta.block_table,
+            softmax_scale=scale, causal=True, tile_mn=tiles, out=out,
+        )  # fmt: skip
+    except Exception as exc:  # whatever it refuses, the Triton kernel serves
+        if choice() == "flash_attn_4":
+            raise
+        _refused.append(exc)
+        _log.warning(
+            "FlashAttention-4 refused a prompt batch (%s: %s); prompt attention stays with the Triton "
+            "kernel in this process (%s=triton silences this)", type(exc).__name__, exc, PREFILL_ATTENTION_ENV,
+        )  # fmt: skip
+        return None
     return result[0]

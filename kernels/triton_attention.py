@@ -591,7 +591,9 @@ def paged_attention(
     if fills_gpu_unsplit(meta.num_decode_seqs, k_cache.shape[2], q.device):
         return paged_mixed_attention(q, k_cache, v_cache, meta, scale, **options)
     if fa4_attention.usable(q, k_cache, v_cache, q.shape[0], **options):
-        return fa4_attention.paged_prefill_attention(q, k_cache, v_cache, meta, scale)
+        out = fa4_attention.paged_prefill_attention(q, k_cache, v_cache, meta, scale)
+        if out is not None:
+            return out
     return paged_prefill_attention(q, k_cache, v_cache, meta, scale, **options)
 
 
@@ -621,7 +623,7 @@ def paged_mixed_attention(
 ) -> torch.Tensor:
     """A mixed batch in two launches: its ``meta.num_decode_seqs`` leading single-token sequences
     through the decode kernel (one program per sequence and KV head, no context splits), the other
-    sequences through the ragged prefill kernel."""
+    sequences through the ragged prefill kernel (or FlashAttention-4, see ``fa4_attention``)."""
     options = {"sliding_window": sliding_window, "logit_softcap": logit_softcap}
     n = meta.num_decode_seqs
     out = torch.empty_like(q)
@@ -630,7 +632,8 @@ def paged_mixed_attention(
     decode = meta.leading_decodes
     paged_decode_attention(q[:n], k_cache, v_cache, decode, scale, num_splits=1, out=out[:n], **options)
     if fa4_attention.usable(q, k_cache, v_cache, q.shape[0] - n, **options):
-        fa4_attention.paged_prefill_attention(q[n:], k_cache, v_cache, meta.trailing_prompts, scale, out=out[n:])
-    else:
-        paged_prefill_attention(q[n:], k_cache, v_cache, meta, scale, first_seq=n, out=out[n:], **options)
+        rest = fa4_attention.paged_prefill_attention(q[n:], k_cache, v_cache, meta.trailing_prompts, scale, out=out[n:])
+        if rest is not None:
+            return out
+    paged_prefill_attention(q[n:], k_cache, v_cache, meta, scale, first_seq=n, out=out[n:], **options)
     return out

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mii_server.kernels import fa4_attention
+from mii_server.kernels.metadata import AttentionMetadata
 
 INSTALLED = importlib.util.find_spec("flash_attn") is not None
 
@@ -64,3 +65,45 @@ def test_cpu_tensors_stay_with_the_other_kernels() -> None:
 )
 def test_what_it_declines(inputs, prompt_tokens, options) -> None:
     assert not fa4_attention.usable(*_inputs("cuda", **inputs), prompt_tokens, **options)
+
+
+class _RefusingLibrary:
+    """Stands in for flash_attn.cute.interface, which cannot run on a CPU: it refuses every batch, as
+    the library's input checks and compiler do (by assertions) for a configuration they do not take."""
+
+    @staticmethod
+    def _flash_attn_fwd(*args, **kwargs):
+        raise AssertionError("paged KV not supported on this configuration")
+
+
+def _one_prompt(q: torch.Tensor, cache: torch.Tensor) -> AttentionMetadata:
+    n = q.shape[0]
+    return AttentionMetadata(
+        positions=torch.arange(n), slot_mapping=torch.arange(n), cu_q_lens=torch.tensor([0, n], dtype=torch.int32),
+        context_lens=torch.tensor([n], dtype=torch.int32), block_table=torch.zeros(1, 1, dtype=torch.int32),
+        last_token_indices=torch.tensor([n - 1]), max_q_len=n, max_context_len=n,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def refusing(monkeypatch):
+    monkeypatch.setattr(fa4_attention, "_load", lambda required: _RefusingLibrary)
+    monkeypatch.setattr(fa4_attention, "_refused", [])
+    q, k_cache, v_cache = _inputs("cpu")
+    return q, k_cache, v_cache, _one_prompt(q, k_cache)
+
+
+def test_a_refused_batch_goes_back_to_triton_for_good(refusing, monkeypatch, caplog) -> None:
+    monkeypatch.setenv(fa4_attention.PREFILL_ATTENTION_ENV, "auto")
+    assert fa4_attention.library() is _RefusingLibrary
+    with caplog.at_level("WARNING"):
+        assert fa4_attention.paged_prefill_attention(*refusing, 0.1) is None
+    assert "FlashAttention-4 refused a prompt batch (AssertionError" in caplog.text
+    assert fa4_attention.library() is None  # no further batch is offered to it
+
+
+def test_a_refusal_is_raised_when_flash_attention_4_was_asked_for(refusing, monkeypatch) -> None:
+    monkeypatch.setenv(fa4_attention.PREFILL_ATTENTION_ENV, "flash_attn_4")
+    with pytest.raises(AssertionError, match="paged KV not supported"):
+        fa4_attention.paged_prefill_attention(*refusing, 0.1)
+    assert fa4_attention.library() is _RefusingLibrary
