@@ -83,13 +83,19 @@ def usable(
     sliding_window: int = 0, logit_softcap: float = 0.0,
 ) -> bool:  # fmt: skip
     """Whether ``prompt_tokens`` rows of q go to FlashAttention-4: a Hopper GPU (the only one measured),
-    16-bit q and cache of one dtype, a measured block size, a head size it takes, full causal
-    attention, enough rows to pay for its host time, and the package importable."""
+    bf16 q and cache, a measured block size, a head size it takes, full causal attention, enough rows
+    to pay for its host time, and the package importable.
+
+    why bf16 only: its TMA tiles read a sequence's last block whole, rows past the context included,
+    and mask their scores; a stale inf or NaN there (left by an earlier sequence) still turns P = 0
+    times V into NaN. fp16 activations overflow to inf in practice, bf16's do not; the Triton kernel
+    masks the loads themselves, so fp16 models stay with it.
+    """
     head_dim = q.shape[-1]
     return (
         q.is_cuda
         and prompt_tokens >= MIN_PROMPT_TOKENS
-        and q.dtype in (torch.bfloat16, torch.float16)
+        and q.dtype == torch.bfloat16
         and k_cache.dtype == q.dtype
         and v_cache.dtype == q.dtype
         and k_cache.shape[1] in BLOCK_SIZES

@@ -57,6 +57,7 @@ def test_cpu_tensors_stay_with_the_other_kernels() -> None:
         ({}, fa4_attention.MIN_PROMPT_TOKENS - 1, {}),  # too few rows to pay for its host time
         ({"cache_dtype": torch.float8_e4m3fn}, 4096, {}),  # an fp8 cache
         ({"dtype": torch.float32}, 4096, {}),
+        ({"dtype": torch.float16}, 4096, {}),  # stale inf in a block's unused rows would reach P @ V
         ({"block_size": 16}, 4096, {}),  # a block size not measured
         ({"head_dim": 100}, 4096, {}),
         ({}, 4096, {"sliding_window": 512}),
