@@ -5,15 +5,16 @@ cores by warp specialisation, which Triton 3.6 cannot express on Hopper. They re
 the paged cache: its [blocks, block_size, kv_heads, D] layout is their page layout, the block table
 their page table, the contexts their ``seqused_k``. ``triton_attention`` sends a batch's prompt rows
 here when ``usable`` says so; everything else (decode, other GPUs, sliding windows, soft-capped
-logits, an fp8 cache) stays with the Triton kernels, which CI runs in Triton's interpreter.
+logits, fp16 models, an fp8 cache) stays with the Triton kernels, which CI runs in Triton's
+interpreter.
 
 why: measured on an H200 (docs/BENCHMARKS.md, "Prefill attention by FlashAttention-4"), 8 x 2,048
-fresh tokens ran at 62% of bf16 peak here against 50% for the Triton kernel, and ragged or
+fresh tokens ran at 61-62% of bf16 peak here against 49-50% for the Triton kernel, and ragged or
 prefix-cached prompt batches 1.35x faster.
 
 ``MII_SERVER_PREFILL_ATTENTION``: ``auto`` (default) uses FlashAttention-4 where it is installed and
-usable; ``triton`` never does; ``flash_attn_4`` makes a missing package an error instead of a silent
-fallback. The package is pinned (the ``fa4`` extra): the key tile is set through its internal forward
+usable; ``triton`` never does; ``flash_attn_4`` makes a missing package or a refused batch an error
+instead of a silent fallback. The package is pinned (the ``fa4`` extra): the key tile is set through its internal forward
 entry point, the public one has no such argument.
 """
 
