@@ -32,6 +32,7 @@ from .metadata import AttentionMetadata
 _log = logging.getLogger(__name__)
 # what the library raised on the batch it refused; once it holds one, auto mode stops using it
 _refused: list[Exception] = []
+_announced: list[bool] = []  # the first batch it served was logged
 
 PREFILL_ATTENTION_ENV = "MII_SERVER_PREFILL_ATTENTION"
 CHOICES = ("auto", "triton", "flash_attn_4")
@@ -144,4 +145,19 @@ def paged_prefill_attention(
             "kernel in this process (%s=triton silences this)", type(exc).__name__, exc, PREFILL_ATTENTION_ENV,
         )  # fmt: skip
         return None
+    if not _announced:
+        _announced.append(True)
+        _log.info(
+            "prompt attention by FlashAttention-4 (flash-attn-4 %s) for batches of %d+ prompt tokens; %s=triton "
+            "turns it off", _version(), MIN_PROMPT_TOKENS, PREFILL_ATTENTION_ENV,
+        )  # fmt: skip
     return result[0]
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("flash-attn-4")
+    except PackageNotFoundError:  # importable without its metadata (a checkout on the path)
+        return "unknown version"

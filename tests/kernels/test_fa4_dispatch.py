@@ -77,6 +77,14 @@ class _RefusingLibrary:
         raise AssertionError("paged KV not supported on this configuration")
 
 
+class _ServingLibrary:
+    """Stands in for flash_attn.cute.interface on a CPU: it serves every batch (with zeros)."""
+
+    @staticmethod
+    def _flash_attn_fwd(q, *args, out=None, **kwargs):
+        return (torch.zeros_like(q) if out is None else out.zero_()), None
+
+
 def _one_prompt(q: torch.Tensor, cache: torch.Tensor) -> AttentionMetadata:
     n = q.shape[0]
     return AttentionMetadata(
@@ -108,3 +116,15 @@ def test_a_refusal_is_raised_when_flash_attention_4_was_asked_for(refusing, monk
     with pytest.raises(AssertionError, match="paged KV not supported"):
         fa4_attention.paged_prefill_attention(*refusing, 0.1)
     assert fa4_attention.library() is _RefusingLibrary
+
+
+def test_the_first_batch_it_serves_is_logged_once(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(fa4_attention, "_load", lambda required: _ServingLibrary)
+    monkeypatch.setattr(fa4_attention, "_announced", [])
+    monkeypatch.setenv(fa4_attention.PREFILL_ATTENTION_ENV, "auto")
+    q, k_cache, v_cache = _inputs("cpu")
+    with caplog.at_level("INFO"):
+        for _ in range(2):
+            out = fa4_attention.paged_prefill_attention(q, k_cache, v_cache, _one_prompt(q, k_cache), 0.1)
+            assert out is not None and out.shape == q.shape
+    assert caplog.text.count("prompt attention by FlashAttention-4 (flash-attn-4 ") == 1
