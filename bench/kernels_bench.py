@@ -254,8 +254,8 @@ def bench_prefill_library(q, k_cache, v_cache, meta, scale, flops) -> list[dict]
     - ``sdpa_cudnn_per_sequence``: what a dispatch of ragged fresh prompts to cuDNN would run: one
       SDPA call per sequence on [1, H, L, D] views of the ragged tensors, each output copied into
       place;
-    - ``fa4_paged*``: FlashAttention-4's CuTe kernels (the ``flash-attn-4`` package, Hopper's kernel on
-      an H200) read straight from the paged cache, where installed (see ``fa4_candidates``).
+    - ``fa4_*``: FlashAttention-4's CuTe kernels (the ``flash-attn-4`` package, Hopper's kernel on an
+      H200) read straight from the paged cache, where installed (see ``fa4_candidates``).
 
     Each row also gives ``host_us``: the caller's time per call, launches included, without waiting
     for the device.
@@ -347,26 +347,22 @@ def fa4_candidates(q, k_cache, v_cache, meta, scale) -> dict:
 
     - ``fa4_paged``: the public ``flash_attn_varlen_func`` with its own tiles (128 x 128 at D = 128
       on Hopper; a cache block of another size makes it gather K/V by cp.async instead of TMA);
-    - ``fa4_paged_tile_n<block>``: its forward with the key tile set to the cache block, so that
-      each tile is one TMA copy.
+    - ``fa4_as_dispatched``: what ``paged_attention`` runs (``fa4_attention.paged_prefill_attention``:
+      at blocks of 64, 64-key tiles, so that each tile is one TMA copy).
     """
-    try:
-        from flash_attn.cute import interface as fa4
-    except ImportError as exc:
-        print(json.dumps({"bench": "prefill_fa4", "error": f"flash-attn-4 not importable: {exc}"}))
+    fa4 = fa4_attention.library()
+    if fa4 is None:
+        print(json.dumps({"bench": "prefill_fa4", "error": "flash-attn-4 not importable (or turned off)"}))
         return {}
     paged = {
         "cu_seqlens_q": meta.cu_q_lens, "seqused_k": meta.context_lens, "max_seqlen_q": meta.max_q_len,
         "max_seqlen_k": meta.max_context_len, "page_table": meta.block_table, "softmax_scale": scale,
         "causal": True,
     }  # fmt: skip
-    block_size = k_cache.shape[1]
-    candidates = {"fa4_paged": lambda: fa4.flash_attn_varlen_func(q, k_cache, v_cache, **paged)[0]}
-    if block_size == 64:
-        candidates[f"fa4_paged_tile_n{block_size}"] = lambda: fa4._flash_attn_fwd(
-            q, k_cache, v_cache, tile_mn=(128, block_size), **paged
-        )[0]
-    return candidates
+    return {
+        "fa4_paged": lambda: fa4.flash_attn_varlen_func(q, k_cache, v_cache, **paged)[0],
+        "fa4_as_dispatched": lambda: fa4_attention.paged_prefill_attention(q, k_cache, v_cache, meta, scale),
+    }
 
 
 # Llama-3-8B's linear layers, (N, K): qkv, o_proj, gate_up, down, LM head

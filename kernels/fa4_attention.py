@@ -30,8 +30,9 @@ import torch
 from .metadata import AttentionMetadata
 
 _log = logging.getLogger(__name__)
-# what the library raised on the batch it refused; once it holds one, auto mode stops using it
-_refused: list[Exception] = []
+# what the library said of the batch it refused (text only: an exception's traceback would keep that
+# batch's tensors alive); once it holds one, auto mode stops using it
+_refused: list[str] = []
 _announced: list[bool] = []  # the first batch it served was logged
 
 PREFILL_ATTENTION_ENV = "MII_SERVER_PREFILL_ATTENTION"
@@ -139,10 +140,10 @@ def paged_prefill_attention(
     except Exception as exc:  # whatever it refuses, the Triton kernel serves
         if choice() == "flash_attn_4":
             raise
-        _refused.append(exc)
+        _refused.append(f"{type(exc).__name__}: {exc}")
         _log.warning(
-            "FlashAttention-4 refused a prompt batch (%s: %s); prompt attention stays with the Triton "
-            "kernel in this process (%s=triton silences this)", type(exc).__name__, exc, PREFILL_ATTENTION_ENV,
+            "FlashAttention-4 refused a prompt batch (%s); prompt attention stays with the Triton kernel in "
+            "this process (%s=triton silences this)", _refused[-1], PREFILL_ATTENTION_ENV,
         )  # fmt: skip
         return None
     if not _announced:
