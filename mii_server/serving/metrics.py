@@ -3,7 +3,9 @@
 Names follow vLLM's under our prefix ``mii_server:`` (counters get the ``_total`` suffix on the wire;
 gauges never end in ``_total``). **One owner per metric**: a replica's ``/metrics`` has the engine's
 series, labelled ``model_name`` (the served model id, as vLLM) and ``replica``; a front end's has only
-its own HTTP series. Summing the scrapes of every process therefore counts everything once.
+its own HTTP series (the supervisor's REST gateway processes, which share one port, answer together:
+``HttpMetrics.exposition``). Summing the scrapes of every front end and replica therefore counts
+everything once.
 
 | metric | kind | owner |
 |---|---|---|
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -33,6 +36,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from ..generation.response import FinishReason
 from ..wire.types import ReplicaStats
@@ -40,6 +44,7 @@ from ..wire.types import ReplicaStats
 log = logging.getLogger(__name__)
 
 PREFIX = "mii_server:"
+MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client's name; read once, when it loads
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
 TTFT_BUCKETS = (
@@ -217,6 +222,17 @@ class HttpMetrics:
         self.duration.labels(route).observe(seconds)
         if code:
             self.errors.labels(route, code).inc()
+
+    def exposition(self) -> tuple[bytes, str]:
+        """This front end's series, and their content type. Under ``PROMETHEUS_MULTIPROC_DIR`` (the
+        supervisor's REST gateway processes, which share one port, so a scrape reaches any one of them)
+        they are summed over every process that wrote there, from the files prometheus-client keeps."""
+        directory = os.environ.get(MULTIPROCESS_DIR_ENV)
+        if not directory:
+            return exposition(self.registry)
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged, path=directory)
+        return exposition(merged)
 
 
 def exposition(registry: CollectorRegistry) -> tuple[bytes, str]:

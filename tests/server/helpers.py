@@ -59,8 +59,9 @@ def descendants(pid: int) -> set[int]:
     return out
 
 
-def deployment_processes(name: str, registry_dir: str) -> list[int]:
-    """Pids of live ``mii_server.launch`` processes of deployment ``name`` in ``registry_dir``.
+def deployment_processes(name: str, registry_dir: str, role: str | None = None) -> list[int]:
+    """Pids of live ``mii_server.launch`` processes of deployment ``name`` in ``registry_dir`` (of
+    ``role`` only, when given).
 
     Both must match: another test run on this machine may serve a deployment of the same name.
     """
@@ -77,9 +78,11 @@ def deployment_processes(name: str, registry_dir: str) -> list[int]:
             continue
         if b"mii_server.launch" not in argv or b"--config" not in argv or b"--role" not in argv:
             continue
-        role = argv[argv.index(b"--role") + 1].decode()
+        its_role = argv[argv.index(b"--role") + 1].decode()
+        if role is not None and its_role != role:
+            continue
         try:
-            spec = decode(role, argv[argv.index(b"--config") + 1].decode())
+            spec = decode(its_role, argv[argv.index(b"--config") + 1].decode())
         except ValueError:  # a process of another checkout, whose config this code does not know
             continue
         owner = spec.replica if isinstance(spec, RankSpec) else spec.deployment  # a TP rank: its replica's

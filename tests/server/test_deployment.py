@@ -13,7 +13,9 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -24,7 +26,15 @@ from mii_server.serving.control import registry
 from mii_server.serving.control.ports import port_is_free
 from mii_server.serving.frontends.client import Client
 
-from .helpers import deployment_processes, descendants, free_port_block, wait_for
+from .helpers import (
+    deployment_processes,
+    descendants,
+    free_port_block,
+    listening_addresses,
+    sample,
+    scrape,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -59,8 +69,9 @@ def deployment(registry_env: str) -> Deployment:
     rest = free_port_block(1)
     assert rest not in range(base, base + 3)
     client = mii_server.serve(
-        deployment_name=NAME, replica_num=2, enable_restful_api=True, port_number=base, restful_api_port=rest
-    )
+        deployment_name=NAME, replica_num=2, enable_restful_api=True, port_number=base, restful_api_port=rest,
+        restful_api_workers=2,
+    )  # fmt: skip
     yield Deployment(client, base, rest)
     record = registry.read(NAME)
     if record is not None and record.is_alive():  # a test failed before the terminate test
@@ -234,6 +245,71 @@ def test_curl_bad_requests_get_400_json(deployment, body: str, fragment: str) ->
     assert fragment in json.loads(text)["error"]["message"]
 
 
+def _post_on_a_new_connection(deployment: Deployment, prompt: str) -> list[dict]:
+    request = urllib.request.Request(deployment.rest_url, data=json.dumps({"prompts": [prompt], **GREEDY}).encode())
+    with urllib.request.urlopen(request, timeout=60) as reply:  # urllib closes the connection after each
+        return json.loads(reply.read())
+
+
+def _rest_served(log_dir: Path) -> list[int]:
+    """Generation requests each REST gateway process has logged so far."""
+    logs = [log_dir / f"rest-gateway-{k}.log" for k in range(2)]
+    return [sum("path=/mii/<name> status=200" in line for line in log.read_text().splitlines()) for log in logs]
+
+
+def _answers_healthz(deployment: Deployment) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{deployment.rest_port}/healthz", timeout=10) as reply:
+            return reply.status == 200
+    except OSError:  # reset (urllib raises it bare, or as a URLError)
+        return False
+
+
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie: its files, sockets included, are closed."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_two_rest_gateway_processes_share_the_port_and_answer_metrics_for_both(deployment, expected) -> None:
+    metrics_url = f"http://127.0.0.1:{deployment.rest_port}/metrics"
+    counted_before = sample(scrape(metrics_url), "mii_server:http_requests_total", route="/mii/<name>")
+    log_dir = Path(registry.read(NAME).log_dir)
+    served_before = _rest_served(log_dir)
+    for i in range(16):  # the kernel deals connections, not requests: each on its own
+        assert _post_on_a_new_connection(deployment, PROMPTS[i])[0]["generated_text"] == expected[i].generated_text
+    served = [now - then for now, then in zip(_rest_served(log_dir), served_before, strict=True)]
+    assert sum(served) == 16 and min(served) > 0, served  # both took some (all to one: 2 * 2**-16 odds)
+    counted = sample(scrape(metrics_url), "mii_server:http_requests_total", route="/mii/<name>")
+    assert counted - counted_before == 16  # whichever process the scrape reached counts both
+
+
+def test_a_sigkilled_rest_gateway_process_is_restarted_while_the_other_serves(deployment, expected, registry_env) -> None:
+    metrics_url = f"http://127.0.0.1:{deployment.rest_port}/metrics"
+    counted_before = sample(scrape(metrics_url), "mii_server:http_requests_total", route="/mii/<name>")
+    old = deployment_processes(NAME, registry_env, role="rest-gateway")
+    assert len(old) == 2
+    os.kill(old[0], signal.SIGKILL)
+    # A connection dealt to it as it dies is reset (what that caller sees); once its listening socket
+    # is closed, new connections go to the other process.
+    wait_for(lambda: _exited(old[0]) and _answers_healthz(deployment), 30, "the other process to take the port")
+    for i in range(4):
+        assert _post_on_a_new_connection(deployment, PROMPTS[i])[0]["generated_text"] == expected[i].generated_text
+
+    def restarted_and_listening() -> bool:
+        now = deployment_processes(NAME, registry_env, role="rest-gateway")
+        ports = {port for _, port in listening_addresses([pid for pid in now if pid not in old])}
+        return len(now) == 2 and old[0] not in now and deployment.rest_port in ports
+
+    wait_for(restarted_and_listening, 60, "the killed REST gateway process to come back on the port")
+    for i in range(4, 12):
+        assert _post_on_a_new_connection(deployment, PROMPTS[i])[0]["generated_text"] == expected[i].generated_text
+    counted = sample(scrape(metrics_url), "mii_server:http_requests_total", route="/mii/<name>")
+    assert counted - counted_before == 12  # the killed process's counts stay in the sum
+
+
 def test_leaving_a_stream_aborts_the_request_and_frees_its_kv_blocks(deployment) -> None:
     before = sum(s.generated_tokens for s in deployment.client.stats())
     stream = deployment.client.generate_stream(["Tell me a long story"], max_new_tokens=1500, ignore_eos=True)
@@ -270,7 +346,7 @@ def test_a_sigkilled_replica_is_restarted_and_serves_again(deployment, expected)
 def test_terminate_leaves_no_process_and_frees_every_port(deployment, registry_env) -> None:
     supervisor = registry.read(NAME).supervisor_pid
     tree = descendants(supervisor) | {supervisor}
-    assert len(tree) >= 5  # supervisor, 2 replicas, load balancer, REST gateway
+    assert len(tree) >= 6  # supervisor, 2 replicas, load balancer, 2 REST gateway processes
     deployment.client.terminate_server()
     alive = [pid for pid in tree if registry.pid_alive(pid)]
     assert alive == []

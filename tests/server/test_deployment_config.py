@@ -99,3 +99,14 @@ def test_mii_config_dicts_are_accepted_and_merged() -> None:
     assert quantized.model.quantization_mode == "wf6af16"
     with pytest.raises(UnknownArgument, match="load_with_sys_mem"):
         DeploymentConfig.from_kwargs("", model_config={"load_with_sys_mem": True})
+
+
+def test_rest_gateway_workers_default_to_the_cores_there_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mii_server.serving.control import deployment
+
+    for cores, workers in ((1, 1), (2, 1), (8, 2), (16, 4), (128, deployment.DEFAULT_REST_WORKERS)):
+        monkeypatch.setattr(deployment.os, "cpu_count", lambda n=cores: n)
+        assert DeploymentConfig.from_kwargs("").rest_gateway_workers == workers, cores
+    assert DeploymentConfig.from_kwargs("", restful_api_workers=3).rest_gateway_workers == 3
+    with pytest.raises(InvalidRequest, match="restful_api_workers"):
+        DeploymentConfig.from_kwargs("", restful_api_workers=0)

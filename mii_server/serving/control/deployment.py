@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -20,6 +21,8 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 REST_THREAD_HEADROOM = 64  # threads beyond admission: health, metrics, and requests about to be refused
 UNBOUNDED_QUEUE_THREADS = 1024  # what an unbounded replica queue counts as, for sizing the REST gateway
 MAX_REST_THREADS = 16384
+DEFAULT_REST_WORKERS = 4  # chosen by measurement: docs/BENCHMARKS.md, "The REST gateway in several processes"
+CORES_PER_REST_WORKER = 4  # the replicas' and the load balancer's processes need cores too
 
 DeviceMap = Literal["auto"] | int | list[int] | list[list[int]] | dict[str, list[list[int]]]
 
@@ -57,6 +60,15 @@ class DeploymentConfig(BaseModel):
         description="Threads of the REST gateway's WSGI server (waitress; an in-flight request holds one while "
         "it waits). None sizes it from admission: every prompt the replicas can run or queue "
         "(replica_num * (max_ragged_sequence_count + max_queued_requests)) plus headroom.",
+    )
+    restful_api_workers: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description="Processes of the REST gateway, every one bound to restful_api_port with SO_REUSEPORT (the "
+        "kernel deals incoming connections over them; each has restful_api_threads threads). One Python "
+        f"process saturates one core. None: {DEFAULT_REST_WORKERS}, or one per "
+        f"{CORES_PER_REST_WORKER} CPU cores of the machine if that is fewer, and at least 1.",
     )
     enable_openai_api: bool = Field(default=False, description="Start the OpenAI-compatible HTTP server.")
     openai_api_host: str = Field(
@@ -211,6 +223,9 @@ class DeploymentConfig(BaseModel):
             raise ValueError(
                 f"two processes of the deployment would share a port: {sorted(self._all_ports())}"
             )
+        if (self.restful_api_workers or 1) > 1 and not hasattr(socket, "SO_REUSEPORT"):
+            raise ValueError("restful_api_workers > 1 binds one port in several processes (SO_REUSEPORT), "
+                             "which this platform does not offer")  # fmt: skip
         if len(self.gpu_groups) not in (0, self.replica_num):
             raise ValueError(
                 f"device_map gives {len(self.gpu_groups)} GPU groups for {self.replica_num} replicas"
@@ -273,6 +288,15 @@ class DeploymentConfig(BaseModel):
         queued = self.max_queued_requests if self.max_queued_requests is not None else UNBOUNDED_QUEUE_THREADS
         per_replica = self.model.max_ragged_sequence_count + queued
         return min(MAX_REST_THREADS, self.replica_num * per_replica + REST_THREAD_HEADROOM)
+
+    @property
+    def rest_gateway_workers(self) -> int:
+        """The REST gateway's process count: given, or the default bounded by this machine's cores."""
+        if self.restful_api_workers is not None:
+            return self.restful_api_workers
+        if not hasattr(socket, "SO_REUSEPORT"):
+            return 1
+        return max(1, min(DEFAULT_REST_WORKERS, (os.cpu_count() or 1) // CORES_PER_REST_WORKER))
 
     @property
     def served_model(self) -> str:

@@ -171,6 +171,11 @@ class GatewayRole(_Role):
     )
     served_model: str = Field(description="The model id of the OpenAI API.")
     rest_threads: int = Field(ge=1, description="The REST gateway's WSGI threads (DeploymentConfig.rest_gateway_threads).")
+    rest_shared_port: bool = Field(
+        default=False,
+        description="Bind rest_port with SO_REUSEPORT, beside the other REST gateway processes of the deployment "
+        "(the supervisor sets it when DeploymentConfig.rest_gateway_workers > 1).",
+    )
     allowed_origins: list[str] = Field(
         default_factory=list, description="DeploymentConfig.allowed_origins: CORS origins (empty: off).", json_schema_extra=FLAG
     )
@@ -198,7 +203,8 @@ class GatewayRole(_Role):
     def of_deployment(cls, cfg: DeploymentConfig, front_end: FrontEnd) -> GatewayRole:
         """The supervisor's ``rest-gateway`` or ``openai-server`` child (one front end each)."""
         if front_end == "rest":
-            layout = {"host": cfg.restful_api_host, "rest_port": cfg.restful_api_port}
+            layout = {"host": cfg.restful_api_host, "rest_port": cfg.restful_api_port,
+                      "rest_shared_port": cfg.rest_gateway_workers > 1}  # fmt: skip
         else:
             layout = {"host": cfg.openai_api_host, "openai_port": cfg.openai_api_port}
         return cls(**_common(cfg), **_fronting(cfg), load_balancer=cfg.lb_address, **layout)

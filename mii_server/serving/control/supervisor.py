@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -27,6 +28,7 @@ from ...launch import process
 from ...launch.log_rotation import rotation_env
 from ...launch.spec import LaunchSpec, Role
 from .. import grpc_common
+from ..metrics import MULTIPROCESS_DIR_ENV
 from ..security import ADMIN_TOKEN_ENV
 from . import devices, registry
 from .deployment import DeploymentConfig
@@ -43,7 +45,7 @@ class Child:
     """One supervised process."""
 
     role: Role
-    index: int | None  # replica index, None for the other roles
+    index: int | None  # replica index, or REST gateway process index when there are several; else None
     log_path: Path
     env: dict[str, str]
     proc: subprocess.Popen | None = None
@@ -52,7 +54,8 @@ class Child:
 
     @property
     def label(self) -> str:
-        return f"replica {self.index}" if self.role == "replica" else self.role.replace("-", " ")
+        name = self.role.replace("-", " ")
+        return name if self.index is None else f"{name} {self.index}"
 
 
 class Supervisor:
@@ -68,6 +71,7 @@ class Supervisor:
         cfg = self.config
         gpus = devices.replica_gpus(cfg.replica_num, cfg.model.tensor_parallel, cfg.gpu_groups, cfg.model.device)
         base_env = {**os.environ, **rotation_env(cfg.log_max_bytes, cfg.log_backups)}
+        base_env.pop(MULTIPROCESS_DIR_ENV, None)  # only the REST gateway's processes pool their metrics
         children = []
         for i in range(cfg.replica_num):
             env = dict(base_env)
@@ -76,10 +80,23 @@ class Supervisor:
             children.append(Child("replica", i, self.log_dir / f"replica-{i}.log", env))
         children.append(Child("load-balancer", None, self.log_dir / "load-balancer.log", dict(base_env)))
         if cfg.enable_restful_api:
-            children.append(Child("rest-gateway", None, self.log_dir / "rest-gateway.log", dict(base_env)))
+            children += self._rest_gateway_children(base_env)
         if cfg.enable_openai_api:
             children.append(Child("openai-server", None, self.log_dir / "openai-server.log", dict(base_env)))
         return children
+
+    def _rest_gateway_children(self, base_env: dict[str, str]) -> list[Child]:
+        """The REST gateway's processes on one port. They count their HTTP metrics in files of one
+        directory, emptied here (what a previous deployment of this name counted is not ours), so that
+        a scrape reaching any of them answers for all, and a restarted one's counts are kept."""
+        metrics_dir = self.log_dir / "rest-gateway-metrics"
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        metrics_dir.mkdir(parents=True)
+        env = {**base_env, MULTIPROCESS_DIR_ENV: str(metrics_dir)}
+        workers = self.config.rest_gateway_workers
+        if workers == 1:
+            return [Child("rest-gateway", None, self.log_dir / "rest-gateway.log", env)]
+        return [Child("rest-gateway", k, self.log_dir / f"rest-gateway-{k}.log", dict(env)) for k in range(workers)]
 
     # ---- lifecycle --------------------------------------------------------------------------
     def run(self) -> int:
@@ -126,7 +143,7 @@ class Supervisor:
         ]
 
     def _spawn(self, child: Child) -> None:
-        spec = LaunchSpec(deployment=self.config, replica_index=child.index)
+        spec = LaunchSpec(deployment=self.config, replica_index=child.index if child.role == "replica" else None)
         child.proc = process.spawn(child.role, spec, child.log_path, detach=False, env=child.env)
         log.info("started %s (pid %d), log %s", child.label, child.proc.pid, child.log_path)
 

@@ -41,7 +41,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ...errors import EngineDead, MIIServerError, ReplicaUnavailable
 from ...wire.types import StreamChunk, TokenizerInfo
 from ..control.roles import GatewayRole
-from ..metrics import HttpMetrics, exposition
+from ..metrics import HttpMetrics
 from ..security import ApiKeys
 from .client import Client
 from .http_common import (
@@ -221,7 +221,7 @@ async def health(request: Request) -> JSONResponse:
 
 async def prometheus(request: Request) -> Response:
     """This front end's own HTTP series (the engine's are each replica's, on its own /metrics)."""
-    body, content_type = exposition(_server(request).instrumentation.metrics.registry)
+    body, content_type = _server(request).instrumentation.metrics.exposition()
     return Response(body, media_type=content_type)
 
 

@@ -18,7 +18,8 @@ Concurrency: WSGI gives every in-flight request a thread, so waitress is sized f
 or queue, so the gateway never holds back a request a replica could take, and past that the
 replicas refuse at once. The threads only wait: every upstream call runs on one shared event loop
 (``LoopThread``), and a request whose client disconnects (waitress keeps reading the socket and
-flags it) has its upstream call cancelled, which aborts its prompts on the replicas.
+flags it) has its upstream call cancelled, which aborts its prompts on the replicas. One process's
+Python work saturates one core, so the supervisor runs several on one port (``shared_port``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from ...generation.response import Response as GenerationResponse
 from ...wire.prompts import prompt_list
 from ...wire.types import Prompt, StreamChunk
 from ..control.roles import GatewayRole
-from ..metrics import HttpMetrics, exposition
+from ..metrics import HttpMetrics
 from ..security import ApiKeys
 from ..status import error_name_of, http_status_of
 from .client import Client
@@ -66,6 +67,7 @@ from .http_common import (
 )
 from .loop_thread import ClientGone, LoopThread
 from .openai_logprobs import finite
+from .shared_port import shared_port_sockets
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +196,7 @@ def health() -> Response:
 
 
 def prometheus() -> Response:
-    body, content_type = exposition(_gateway().instrumentation.metrics.registry)
+    body, content_type = _gateway().instrumentation.metrics.exposition()
     return Response(body, content_type=content_type)
 
 
@@ -339,11 +341,14 @@ class RestGatewayServer:
             role.deployment_name, self._client, self._upstream, keys, allowed_origins=role.allowed_origins
         )
         self._map: dict[int, Any] = {}  # waitress's socket map: the listener, the trigger, the connections
+        if role.rest_shared_port:  # one of several gateway processes on this port
+            listen: dict[str, Any] = {"sockets": shared_port_sockets(role.host, role.rest_port)}
+        else:
+            listen = {"host": role.host, "port": role.rest_port}
         self._server = waitress.create_server(
             app,
             map=self._map,
-            host=role.host,
-            port=role.rest_port,
+            **listen,
             threads=role.rest_threads,
             connection_limit=role.rest_threads + 64,  # waitress's default (100) would cap concurrency below admission
             backlog=2048,
@@ -355,8 +360,9 @@ class RestGatewayServer:
         self._grace_s = role.stop_grace_s
         self._thread = threading.Thread(target=self._run, name="rest-gateway", daemon=True)
         log.info(
-            "REST gateway on http://%s:%d/mii/%s with %d threads -> %s",
-            role.host, role.rest_port, role.deployment_name, role.rest_threads, role.load_balancer,
+            "REST gateway on http://%s:%d/mii/%s with %d threads%s -> %s",
+            role.host, role.rest_port, role.deployment_name, role.rest_threads,
+            " (port shared with the other gateway processes)" if role.rest_shared_port else "", role.load_balancer,
         )  # fmt: skip
 
     def start(self) -> None:

@@ -1,0 +1,36 @@
+"""Listening sockets that several processes bind on one port (``SO_REUSEPORT``; no torch).
+
+The supervisor runs the REST gateway as ``DeploymentConfig.rest_gateway_workers`` processes. Each
+binds the same host and port with ``SO_REUSEPORT``, and the kernel deals the incoming connections
+over their listening sockets, so the gateway's Python work spreads over as many cores. A worker that
+dies takes only the connections dealt to it; the others keep serving while it restarts.
+"""
+
+from __future__ import annotations
+
+import socket
+
+
+def shared_port_sockets(host: str, port: int) -> list[socket.socket]:
+    """Bound (not yet listening) TCP sockets on every address ``host`` resolves to, as waitress would
+    bind them, but with ``SO_REUSEPORT`` set. ``OSError`` when the port is held without it."""
+    found = socket.getaddrinfo(host, port, socket.AF_UNSPEC, socket.SOCK_STREAM, socket.IPPROTO_TCP, socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    seen: set[tuple[int, object]] = set()
+    try:
+        for family, kind, proto, _, address in found:
+            if (family, address) in seen:
+                continue
+            seen.add((family, address))
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:  # as waitress: an IPv6 socket does not also take IPv4
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
