@@ -266,11 +266,19 @@ def _answers_healthz(deployment: Deployment) -> bool:
 
 
 def _exited(pid: int) -> bool:
-    """Gone, or a zombie: its files, sockets included, are closed."""
+    """Every thread of it has exited (the leader alone can be a zombie while its ~1,000 waitress threads
+    are still exiting, holding its sockets), or it is gone."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
     except OSError:
         return True
+    for task in tasks:
+        try:
+            if (task / "stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX":
+                return False
+        except OSError:  # this thread is gone
+            continue
+    return True
 
 
 def test_two_rest_gateway_processes_share_the_port_and_answer_metrics_for_both(deployment, expected) -> None:

@@ -105,7 +105,7 @@ def test_rest_gateway_workers_default_to_the_cores_there_are(monkeypatch: pytest
     from mii_server.serving.control import deployment
 
     for cores, workers in ((1, 1), (2, 1), (8, 2), (16, 4), (128, deployment.DEFAULT_REST_WORKERS)):
-        monkeypatch.setattr(deployment.os, "cpu_count", lambda n=cores: n)
+        monkeypatch.setattr(deployment, "usable_cores", lambda n=cores: n)
         assert DeploymentConfig.from_kwargs("").rest_gateway_workers == workers, cores
     assert DeploymentConfig.from_kwargs("", restful_api_workers=3).rest_gateway_workers == 3
     with pytest.raises(InvalidRequest, match="restful_api_workers"):

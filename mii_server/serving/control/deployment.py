@@ -24,6 +24,13 @@ MAX_REST_THREADS = 16384
 DEFAULT_REST_WORKERS = 4  # chosen by measurement: docs/BENCHMARKS.md, "The REST gateway in several processes"
 CORES_PER_REST_WORKER = 4  # the replicas' and the load balancer's processes need cores too
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, as a container's cpuset sets it, where the OS tells)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 DeviceMap = Literal["auto"] | int | list[int] | list[list[int]] | dict[str, list[list[int]]]
 
 
@@ -68,7 +75,7 @@ class DeploymentConfig(BaseModel):
         description="Processes of the REST gateway, every one bound to restful_api_port with SO_REUSEPORT (the "
         "kernel deals incoming connections over them; each has restful_api_threads threads). One Python "
         f"process saturates one core. None: {DEFAULT_REST_WORKERS}, or one per "
-        f"{CORES_PER_REST_WORKER} CPU cores of the machine if that is fewer, and at least 1.",
+        f"{CORES_PER_REST_WORKER} CPU cores this process may use if that is fewer, and at least 1.",
     )
     enable_openai_api: bool = Field(default=False, description="Start the OpenAI-compatible HTTP server.")
     openai_api_host: str = Field(
@@ -296,7 +303,7 @@ class DeploymentConfig(BaseModel):
             return self.restful_api_workers
         if not hasattr(socket, "SO_REUSEPORT"):
             return 1
-        return max(1, min(DEFAULT_REST_WORKERS, (os.cpu_count() or 1) // CORES_PER_REST_WORKER))
+        return max(1, min(DEFAULT_REST_WORKERS, usable_cores() // CORES_PER_REST_WORKER))
 
     @property
     def served_model(self) -> str:
