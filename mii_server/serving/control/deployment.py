@@ -24,6 +24,7 @@ MAX_REST_THREADS = 16384
 DEFAULT_REST_WORKERS = 4  # chosen by measurement: docs/BENCHMARKS.md, "The REST gateway in several processes"
 CORES_PER_REST_WORKER = 4  # the replicas' and the load balancer's processes need cores too
 
+
 def usable_cores() -> int:
     """The cores this process may run on (its affinity, as a container's cpuset sets it, where the OS tells)."""
     if hasattr(os, "sched_getaffinity"):

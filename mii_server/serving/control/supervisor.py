@@ -94,9 +94,9 @@ class Supervisor:
         metrics_dir.mkdir(parents=True)
         env = {**base_env, MULTIPROCESS_DIR_ENV: str(metrics_dir)}
         workers = self.config.rest_gateway_workers
-        if workers == 1:
+        if workers == 1:  # the log keeps its name of before
             return [Child("rest-gateway", None, self.log_dir / "rest-gateway.log", env)]
-        return [Child("rest-gateway", k, self.log_dir / f"rest-gateway-{k}.log", dict(env)) for k in range(workers)]
+        return [Child("rest-gateway", k, self.log_dir / f"rest-gateway-{k}.log", env) for k in range(workers)]
 
     # ---- lifecycle --------------------------------------------------------------------------
     def run(self) -> int:

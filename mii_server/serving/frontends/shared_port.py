@@ -12,16 +12,14 @@ import socket
 
 
 def shared_port_sockets(host: str, port: int) -> list[socket.socket]:
-    """Bound (not yet listening) TCP sockets on every address ``host`` resolves to, as waitress would
-    bind them, but with ``SO_REUSEPORT`` set. ``OSError`` when the port is held without it."""
-    found = socket.getaddrinfo(host, port, socket.AF_UNSPEC, socket.SOCK_STREAM, socket.IPPROTO_TCP, socket.AI_PASSIVE)
+    """Bound (not yet listening) TCP sockets on the addresses waitress would listen on for ``host``
+    and ``port`` (its own resolution), with ``SO_REUSEPORT`` set. ``OSError`` when the port is held
+    without it."""
+    from waitress.adjustments import Adjustments  # why here: only the REST gateway's process needs it
+
     sockets: list[socket.socket] = []
-    seen: set[tuple[int, object]] = set()
     try:
-        for family, kind, proto, _, address in found:
-            if (family, address) in seen:
-                continue
-            seen.add((family, address))
+        for family, kind, proto, address in Adjustments(host=host, port=port).listen:
             sock = socket.socket(family, kind, proto)
             sockets.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
