@@ -3,7 +3,7 @@
 Names follow vLLM's under our prefix ``mii_server:`` (counters get the ``_total`` suffix on the wire;
 gauges never end in ``_total``). **One owner per metric**: a replica's ``/metrics`` has the engine's
 series, labelled ``model_name`` (the served model id, as vLLM) and ``replica``; a front end's has only
-its own HTTP series (the supervisor's REST gateway processes, which share one port, answer together:
+its own HTTP series (the processes of one front end, which share one port, answer together:
 ``HttpMetrics.exposition``). Summing the scrapes of every front end and replica therefore counts
 everything once.
 
@@ -225,8 +225,9 @@ class HttpMetrics:
 
     def exposition(self) -> tuple[bytes, str]:
         """This front end's series, and their content type. Under ``PROMETHEUS_MULTIPROC_DIR`` (the
-        supervisor's REST gateway processes, which share one port, so a scrape reaches any one of them)
-        they are summed over every process that wrote there, from the files prometheus-client keeps."""
+        supervisor's processes of one HTTP front end, which share one port, so a scrape reaches any one
+        of them) they are summed over every process that wrote there, from the files prometheus-client
+        keeps."""
         directory = os.environ.get(MULTIPROCESS_DIR_ENV)
         if not directory:
             return exposition(self.registry)

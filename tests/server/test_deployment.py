@@ -1,4 +1,5 @@
-"""Integration: one real deployment (2 replicas + load balancer + REST gateway) on loopback, CPU, demo model.
+"""Integration: one real deployment (2 replicas + load balancer + REST gateway + OpenAI server, each of
+the two in 2 processes on its port) on loopback, CPU, demo model.
 
 Tests run in file order and share the deployment; the last one terminates it.
 """
@@ -48,10 +49,15 @@ class Deployment:
     client: Client
     lb_port: int
     rest_port: int
+    openai_port: int
 
     @property
     def rest_url(self) -> str:
         return f"http://127.0.0.1:{self.rest_port}/mii/{NAME}"
+
+    def port(self, role: str) -> int:
+        """The port of an HTTP front end's processes (``rest-gateway`` or ``openai-server``)."""
+        return self.rest_port if role == "rest-gateway" else self.openai_port
 
 
 @pytest.fixture(scope="module")
@@ -66,13 +72,13 @@ def expected() -> list[Response]:
 @pytest.fixture(scope="module")
 def deployment(registry_env: str) -> Deployment:
     base = free_port_block(3)
-    rest = free_port_block(1)
-    assert rest not in range(base, base + 3)
+    rest = free_port_block(2)
+    assert not {rest, rest + 1} & set(range(base, base + 3))
     client = mii_server.serve(
         deployment_name=NAME, replica_num=2, enable_restful_api=True, port_number=base, restful_api_port=rest,
-        restful_api_workers=2,
+        restful_api_workers=2, enable_openai_api=True, openai_api_port=rest + 1, openai_api_workers=2,
     )  # fmt: skip
-    yield Deployment(client, base, rest)
+    yield Deployment(client, base, rest, rest + 1)
     record = registry.read(NAME)
     if record is not None and record.is_alive():  # a test failed before the terminate test
         client.terminate_server()
@@ -245,21 +251,33 @@ def test_curl_bad_requests_get_400_json(deployment, body: str, fragment: str) ->
     assert fragment in json.loads(text)["error"]["message"]
 
 
-def _post_on_a_new_connection(deployment: Deployment, prompt: str) -> list[dict]:
-    request = urllib.request.Request(deployment.rest_url, data=json.dumps({"prompts": [prompt], **GREEDY}).encode())
+# each HTTP front end's generation route, as its access log names it
+GENERATION_ROUTE = {"rest-gateway": "/mii/<name>", "openai-server": "/v1/completions"}
+
+
+def _generate_on_a_new_connection(deployment: Deployment, role: str, i: int) -> str:
+    """PROMPTS[i]'s greedy text from the front end ``role``, on a connection of its own."""
+    if role == "rest-gateway":
+        url, body = deployment.rest_url, {"prompts": [PROMPTS[i]], **GREEDY}
+    else:
+        url = f"http://127.0.0.1:{deployment.openai_port}/v1/completions"
+        body = {"model": "mii-server-demo", "prompt": PROMPTS[i], "max_tokens": GREEDY["max_new_tokens"], "temperature": 0}
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as reply:  # urllib closes the connection after each
-        return json.loads(reply.read())
+        answer = json.loads(reply.read())
+    return answer[0]["generated_text"] if role == "rest-gateway" else answer["choices"][0]["text"]
 
 
-def _rest_served(log_dir: Path) -> list[int]:
-    """Generation requests each REST gateway process has logged so far."""
-    logs = [log_dir / f"rest-gateway-{k}.log" for k in range(2)]
-    return [sum("path=/mii/<name> status=200" in line for line in log.read_text().splitlines()) for log in logs]
+def _served(log_dir: Path, role: str) -> list[int]:
+    """Generation requests each of the two processes of front end ``role`` has logged so far."""
+    logs = [log_dir / f"{role}-{k}.log" for k in range(2)]
+    line = f"path={GENERATION_ROUTE[role]} status=200"
+    return [sum(line in text for text in log.read_text().splitlines()) for log in logs]
 
 
-def _answers_healthz(deployment: Deployment) -> bool:
+def _answers_healthz(port: int) -> bool:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{deployment.rest_port}/healthz", timeout=10) as reply:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as reply:
             return reply.status == 200
     except OSError:  # reset (urllib raises it bare, or as a URLError)
         return False
@@ -281,40 +299,48 @@ def _exited(pid: int) -> bool:
     return True
 
 
-def test_two_rest_gateway_processes_share_the_port_and_answer_metrics_for_both(deployment, expected) -> None:
-    metrics_url = f"http://127.0.0.1:{deployment.rest_port}/metrics"
-    counted_before = sample(scrape(metrics_url), "mii_server:http_requests_total", route="/mii/<name>")
+FRONT_ENDS = ["rest-gateway", "openai-server"]
+
+
+@pytest.mark.parametrize("role", FRONT_ENDS)
+def test_two_processes_of_a_front_end_share_its_port_and_answer_metrics_for_both(deployment, expected, role) -> None:
+    metrics_url = f"http://127.0.0.1:{deployment.port(role)}/metrics"
+    route = GENERATION_ROUTE[role]
+    counted_before = sample(scrape(metrics_url), "mii_server:http_requests_total", route=route)
     log_dir = Path(registry.read(NAME).log_dir)
-    served_before = _rest_served(log_dir)
+    served_before = _served(log_dir, role)
     for i in range(16):  # the kernel deals connections, not requests: each on its own
-        assert _post_on_a_new_connection(deployment, PROMPTS[i])[0]["generated_text"] == expected[i].generated_text
-    served = [now - then for now, then in zip(_rest_served(log_dir), served_before, strict=True)]
+        assert _generate_on_a_new_connection(deployment, role, i) == expected[i].generated_text
+    served = [now - then for now, then in zip(_served(log_dir, role), served_before, strict=True)]
     assert sum(served) == 16 and min(served) > 0, served  # both took some (all to one: 2 * 2**-16 odds)
-    counted = sample(scrape(metrics_url), "mii_server:http_requests_total", route="/mii/<name>")
+    counted = sample(scrape(metrics_url), "mii_server:http_requests_total", route=route)
     assert counted - counted_before == 16  # whichever process the scrape reached counts both
 
 
-def test_a_sigkilled_rest_gateway_process_is_restarted_while_the_other_serves(deployment, expected, registry_env) -> None:
-    metrics_url = f"http://127.0.0.1:{deployment.rest_port}/metrics"
-    counted_before = sample(scrape(metrics_url), "mii_server:http_requests_total", route="/mii/<name>")
-    old = deployment_processes(NAME, registry_env, role="rest-gateway")
+@pytest.mark.parametrize("role", FRONT_ENDS)
+def test_a_sigkilled_front_end_process_is_restarted_while_the_other_serves(deployment, expected, registry_env, role) -> None:
+    port = deployment.port(role)
+    metrics_url = f"http://127.0.0.1:{port}/metrics"
+    route = GENERATION_ROUTE[role]
+    counted_before = sample(scrape(metrics_url), "mii_server:http_requests_total", route=route)
+    old = deployment_processes(NAME, registry_env, role=role)
     assert len(old) == 2
     os.kill(old[0], signal.SIGKILL)
     # A connection dealt to it as it dies is reset (what that caller sees); once its listening socket
     # is closed, new connections go to the other process.
-    wait_for(lambda: _exited(old[0]) and _answers_healthz(deployment), 30, "the other process to take the port")
+    wait_for(lambda: _exited(old[0]) and _answers_healthz(port), 30, "the other process to take the port")
     for i in range(4):
-        assert _post_on_a_new_connection(deployment, PROMPTS[i])[0]["generated_text"] == expected[i].generated_text
+        assert _generate_on_a_new_connection(deployment, role, i) == expected[i].generated_text
 
     def restarted_and_listening() -> bool:
-        now = deployment_processes(NAME, registry_env, role="rest-gateway")
-        ports = {port for _, port in listening_addresses([pid for pid in now if pid not in old])}
-        return len(now) == 2 and old[0] not in now and deployment.rest_port in ports
+        now = deployment_processes(NAME, registry_env, role=role)
+        ports = {p for _, p in listening_addresses([pid for pid in now if pid not in old])}
+        return len(now) == 2 and old[0] not in now and port in ports
 
-    wait_for(restarted_and_listening, 60, "the killed REST gateway process to come back on the port")
+    wait_for(restarted_and_listening, 60, f"the killed {role} process to come back on the port")
     for i in range(4, 12):
-        assert _post_on_a_new_connection(deployment, PROMPTS[i])[0]["generated_text"] == expected[i].generated_text
-    counted = sample(scrape(metrics_url), "mii_server:http_requests_total", route="/mii/<name>")
+        assert _generate_on_a_new_connection(deployment, role, i) == expected[i].generated_text
+    counted = sample(scrape(metrics_url), "mii_server:http_requests_total", route=route)
     assert counted - counted_before == 12  # the killed process's counts stay in the sum
 
 
@@ -354,11 +380,11 @@ def test_a_sigkilled_replica_is_restarted_and_serves_again(deployment, expected)
 def test_terminate_leaves_no_process_and_frees_every_port(deployment, registry_env) -> None:
     supervisor = registry.read(NAME).supervisor_pid
     tree = descendants(supervisor) | {supervisor}
-    assert len(tree) >= 6  # supervisor, 2 replicas, load balancer, 2 REST gateway processes
+    assert len(tree) >= 8  # supervisor, 2 replicas, load balancer, 2 REST gateway and 2 OpenAI processes
     deployment.client.terminate_server()
     alive = [pid for pid in tree if registry.pid_alive(pid)]
     assert alive == []
     assert deployment_processes(NAME, registry_env) == []
     assert registry.read(NAME) is None
-    for port in (deployment.lb_port, deployment.lb_port + 1, deployment.lb_port + 2, deployment.rest_port):
+    for port in (*range(deployment.lb_port, deployment.lb_port + 3), deployment.rest_port, deployment.openai_port):
         assert port_is_free("127.0.0.1", port), port

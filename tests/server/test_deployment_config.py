@@ -101,12 +101,14 @@ def test_mii_config_dicts_are_accepted_and_merged() -> None:
         DeploymentConfig.from_kwargs("", model_config={"load_with_sys_mem": True})
 
 
-def test_rest_gateway_workers_default_to_the_cores_there_are(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("kwarg", "workers"), [("restful_api_workers", "rest_gateway_workers"),
+                                                ("openai_api_workers", "openai_server_workers")])  # fmt: skip
+def test_http_front_end_workers_default_to_the_cores_there_are(monkeypatch: pytest.MonkeyPatch, kwarg, workers) -> None:
     from mii_server.serving.control import deployment
 
-    for cores, workers in ((1, 1), (2, 1), (8, 2), (16, 4), (128, deployment.DEFAULT_REST_WORKERS)):
+    for cores, expected in ((1, 1), (2, 1), (8, 2), (16, 4), (128, deployment.DEFAULT_HTTP_WORKERS)):
         monkeypatch.setattr(deployment, "usable_cores", lambda n=cores: n)
-        assert DeploymentConfig.from_kwargs("").rest_gateway_workers == workers, cores
-    assert DeploymentConfig.from_kwargs("", restful_api_workers=3).rest_gateway_workers == 3
-    with pytest.raises(InvalidRequest, match="restful_api_workers"):
-        DeploymentConfig.from_kwargs("", restful_api_workers=0)
+        assert getattr(DeploymentConfig.from_kwargs(""), workers) == expected, cores
+    assert getattr(DeploymentConfig.from_kwargs("", **{kwarg: 3}), workers) == 3
+    with pytest.raises(InvalidRequest, match=kwarg):
+        DeploymentConfig.from_kwargs("", **{kwarg: 0})

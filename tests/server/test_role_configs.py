@@ -29,7 +29,7 @@ def test_the_supervisor_derives_each_role_from_its_deployment(tmp_path: Path) ->
     cfg = DeploymentConfig.from_kwargs(
         "/m", replica_num=2, tensor_parallel=2, port_number=7000, max_queued_requests=5, registry_dir=str(tmp_path),
         enable_openai_api=True, openai_api_host="0.0.0.0", openai_api_port=7100, served_model_name="m",
-        restful_api_workers=1,
+        restful_api_workers=1, openai_api_workers=1,
     )  # fmt: skip
     replica = ReplicaRole.of_deployment(cfg, 1)
     assert (replica.port, replica.metrics_port, replica.replica_index) == (cfg.replica_ports[1], cfg.replica_metrics_ports[1], 1)
@@ -39,13 +39,16 @@ def test_the_supervisor_derives_each_role_from_its_deployment(tmp_path: Path) ->
     assert (lb.address, lb.replicas, lb.replica_wait_s) == (cfg.lb_address, cfg.replica_addresses, cfg.replica_wait_s)
     openai = GatewayRole.of_deployment(cfg, "openai")
     assert (openai.host, openai.openai_port, openai.rest_port, openai.load_balancer) == ("0.0.0.0", 7100, None, cfg.lb_address)
+    assert not openai.openai_shared_port
     rest = GatewayRole.of_deployment(cfg, "rest")
     assert (rest.host, rest.rest_port, rest.rest_threads, rest.served_model) == (
         cfg.restful_api_host, cfg.restful_api_port, cfg.rest_gateway_threads, "m"
     )  # fmt: skip
     assert not rest.rest_shared_port  # this machine's default, or one process asked for: a plain bind
-    shared = DeploymentConfig.from_kwargs("/m", enable_restful_api=True, restful_api_workers=3)
+    shared = DeploymentConfig.from_kwargs("/m", enable_restful_api=True, restful_api_workers=3,
+                                          enable_openai_api=True, openai_api_workers=2)  # fmt: skip
     assert GatewayRole.of_deployment(shared, "rest").rest_shared_port
+    assert GatewayRole.of_deployment(shared, "openai").openai_shared_port
     no_metrics = DeploymentConfig.from_kwargs("", enable_metrics=False)
     assert ReplicaRole.of_deployment(no_metrics, 0).metrics_port is None
 

@@ -21,8 +21,20 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 REST_THREAD_HEADROOM = 64  # threads beyond admission: health, metrics, and requests about to be refused
 UNBOUNDED_QUEUE_THREADS = 1024  # what an unbounded replica queue counts as, for sizing the REST gateway
 MAX_REST_THREADS = 16384
-DEFAULT_REST_WORKERS = 4  # chosen by measurement: docs/BENCHMARKS.md, "The REST gateway in several processes"
-CORES_PER_REST_WORKER = 4  # the replicas' and the load balancer's processes need cores too
+# processes of an HTTP front end by default, chosen by measurement: docs/BENCHMARKS.md, "The REST gateway
+# in several processes" and "The OpenAI server in several processes"
+DEFAULT_HTTP_WORKERS = 4
+CORES_PER_HTTP_WORKER = 4  # the replicas' and the load balancer's processes need cores too
+
+
+def _http_workers(given: int | None) -> int:
+    """An HTTP front end's process count: ``given``, or the default bounded by the usable cores (one
+    process where the platform cannot share a port)."""
+    if given is not None:
+        return given
+    if not hasattr(socket, "SO_REUSEPORT"):
+        return 1
+    return max(1, min(DEFAULT_HTTP_WORKERS, usable_cores() // CORES_PER_HTTP_WORKER))
 
 
 def usable_cores() -> int:
@@ -75,8 +87,8 @@ class DeploymentConfig(BaseModel):
         le=64,
         description="Processes of the REST gateway, every one bound to restful_api_port with SO_REUSEPORT (the "
         "kernel deals incoming connections over them; each has restful_api_threads threads). One Python "
-        f"process saturates one core. None: {DEFAULT_REST_WORKERS}, or one per "
-        f"{CORES_PER_REST_WORKER} CPU cores this process may use if that is fewer, and at least 1.",
+        f"process saturates one core. None: {DEFAULT_HTTP_WORKERS}, or one per "
+        f"{CORES_PER_HTTP_WORKER} CPU cores this process may use if that is fewer, and at least 1.",
     )
     enable_openai_api: bool = Field(default=False, description="Start the OpenAI-compatible HTTP server.")
     openai_api_host: str = Field(
@@ -84,6 +96,15 @@ class DeploymentConfig(BaseModel):
     )
     openai_api_port: int = Field(
         default=8000, ge=1, le=65535, description="OpenAI-compatible server's HTTP port."
+    )
+    openai_api_workers: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description="Processes of the OpenAI-compatible server, every one bound to openai_api_port with "
+        "SO_REUSEPORT (the kernel deals incoming connections over them). One Python process saturates one "
+        f"core. None: {DEFAULT_HTTP_WORKERS}, or one per {CORES_PER_HTTP_WORKER} CPU cores this process "
+        "may use if that is fewer, and at least 1.",
     )
     served_model_name: str = Field(
         default="",
@@ -231,9 +252,10 @@ class DeploymentConfig(BaseModel):
             raise ValueError(
                 f"two processes of the deployment would share a port: {sorted(self._all_ports())}"
             )
-        if (self.restful_api_workers or 1) > 1 and not hasattr(socket, "SO_REUSEPORT"):
-            raise ValueError("restful_api_workers > 1 binds one port in several processes (SO_REUSEPORT), "
-                             "which this platform does not offer")  # fmt: skip
+        for name in ("restful_api_workers", "openai_api_workers"):
+            if (getattr(self, name) or 1) > 1 and not hasattr(socket, "SO_REUSEPORT"):
+                raise ValueError(f"{name} > 1 binds one port in several processes (SO_REUSEPORT), "
+                                 "which this platform does not offer")  # fmt: skip
         if len(self.gpu_groups) not in (0, self.replica_num):
             raise ValueError(
                 f"device_map gives {len(self.gpu_groups)} GPU groups for {self.replica_num} replicas"
@@ -300,11 +322,12 @@ class DeploymentConfig(BaseModel):
     @property
     def rest_gateway_workers(self) -> int:
         """The REST gateway's process count: given, or the default bounded by this machine's cores."""
-        if self.restful_api_workers is not None:
-            return self.restful_api_workers
-        if not hasattr(socket, "SO_REUSEPORT"):
-            return 1
-        return max(1, min(DEFAULT_REST_WORKERS, usable_cores() // CORES_PER_REST_WORKER))
+        return _http_workers(self.restful_api_workers)
+
+    @property
+    def openai_server_workers(self) -> int:
+        """The OpenAI server's process count: given, or the default bounded by this machine's cores."""
+        return _http_workers(self.openai_api_workers)
 
     @property
     def served_model(self) -> str:

@@ -176,6 +176,11 @@ class GatewayRole(_Role):
         description="Bind rest_port with SO_REUSEPORT, beside the other REST gateway processes of the deployment "
         "(the supervisor sets it when DeploymentConfig.rest_gateway_workers > 1).",
     )
+    openai_shared_port: bool = Field(
+        default=False,
+        description="Bind openai_port with SO_REUSEPORT, beside the other OpenAI server processes of the "
+        "deployment (the supervisor sets it when DeploymentConfig.openai_server_workers > 1).",
+    )
     allowed_origins: list[str] = Field(
         default_factory=list, description="DeploymentConfig.allowed_origins: CORS origins (empty: off).", json_schema_extra=FLAG
     )
@@ -206,7 +211,8 @@ class GatewayRole(_Role):
             layout = {"host": cfg.restful_api_host, "rest_port": cfg.restful_api_port,
                       "rest_shared_port": cfg.rest_gateway_workers > 1}  # fmt: skip
         else:
-            layout = {"host": cfg.openai_api_host, "openai_port": cfg.openai_api_port}
+            layout = {"host": cfg.openai_api_host, "openai_port": cfg.openai_api_port,
+                      "openai_shared_port": cfg.openai_server_workers > 1}  # fmt: skip
         return cls(**_common(cfg), **_fronting(cfg), load_balancer=cfg.lb_address, **layout)
 
     @classmethod

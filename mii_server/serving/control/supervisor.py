@@ -71,7 +71,7 @@ class Supervisor:
         cfg = self.config
         gpus = devices.replica_gpus(cfg.replica_num, cfg.model.tensor_parallel, cfg.gpu_groups, cfg.model.device)
         base_env = {**os.environ, **rotation_env(cfg.log_max_bytes, cfg.log_backups)}
-        base_env.pop(MULTIPROCESS_DIR_ENV, None)  # only the REST gateway's processes pool their metrics
+        base_env.pop(MULTIPROCESS_DIR_ENV, None)  # only the HTTP front ends' processes pool their metrics
         children = []
         for i in range(cfg.replica_num):
             env = dict(base_env)
@@ -80,23 +80,22 @@ class Supervisor:
             children.append(Child("replica", i, self.log_dir / f"replica-{i}.log", env))
         children.append(Child("load-balancer", None, self.log_dir / "load-balancer.log", dict(base_env)))
         if cfg.enable_restful_api:
-            children += self._rest_gateway_children(base_env)
+            children += self._shared_port_children("rest-gateway", cfg.rest_gateway_workers, base_env)
         if cfg.enable_openai_api:
-            children.append(Child("openai-server", None, self.log_dir / "openai-server.log", dict(base_env)))
+            children += self._shared_port_children("openai-server", cfg.openai_server_workers, base_env)
         return children
 
-    def _rest_gateway_children(self, base_env: dict[str, str]) -> list[Child]:
-        """The REST gateway's processes on one port. They count their HTTP metrics in files of one
-        directory, emptied here (what a previous deployment of this name counted is not ours), so that
-        a scrape reaching any of them answers for all, and a restarted one's counts are kept."""
-        metrics_dir = self.log_dir / "rest-gateway-metrics"
+    def _shared_port_children(self, role: str, workers: int, base_env: dict[str, str]) -> list[Child]:
+        """The processes of one HTTP front end on one port. They count their HTTP metrics in files of
+        one directory, emptied here (what a previous deployment of this name counted is not ours), so
+        that a scrape reaching any of them answers for all, and a restarted one's counts are kept."""
+        metrics_dir = self.log_dir / f"{role}-metrics"
         shutil.rmtree(metrics_dir, ignore_errors=True)
         metrics_dir.mkdir(parents=True)
         env = {**base_env, MULTIPROCESS_DIR_ENV: str(metrics_dir)}
-        workers = self.config.rest_gateway_workers
         if workers == 1:  # the log keeps its name of before
-            return [Child("rest-gateway", None, self.log_dir / "rest-gateway.log", env)]
-        return [Child("rest-gateway", k, self.log_dir / f"rest-gateway-{k}.log", env) for k in range(workers)]
+            return [Child(role, None, self.log_dir / f"{role}.log", env)]
+        return [Child(role, k, self.log_dir / f"{role}-{k}.log", env) for k in range(workers)]
 
     # ---- lifecycle --------------------------------------------------------------------------
     def run(self) -> int:

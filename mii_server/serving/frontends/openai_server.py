@@ -80,6 +80,7 @@ from .openai_protocol import (
     models_body,
     parse,
 )
+from .shared_port import shared_port_sockets
 from .tokenizer_endpoints import (
     detokenize_body,
     parse_detokenize,
@@ -539,11 +540,13 @@ class OpenAIServerThread:
                 timeout_graceful_shutdown=role.stop_grace_s,
             )
         )
+        # one of several server processes on this port: bound here, with SO_REUSEPORT
+        self._sockets = shared_port_sockets(role.host, role.openai_port) if role.openai_shared_port else None
         self._thread = threading.Thread(target=self._run, name="openai-server", daemon=True)
         log.info(
-            "OpenAI-compatible server on http://%s:%d/v1 (model %r, %s) -> %s",
-            role.host, role.openai_port, role.served_model,
-            "API key required" if keys.required else "no API key", role.load_balancer,
+            "OpenAI-compatible server on http://%s:%d/v1%s (model %r, %s) -> %s",
+            role.host, role.openai_port, " (port shared with the other server processes)" if self._sockets else "",
+            role.served_model, "API key required" if keys.required else "no API key", role.load_balancer,
         )  # fmt: skip
 
     def _run(self) -> None:
@@ -551,7 +554,7 @@ class OpenAIServerThread:
 
     async def _serve(self) -> None:
         try:
-            await self._server.serve()  # off the main thread, uvicorn leaves the signals to us
+            await self._server.serve(self._sockets)  # off the main thread, uvicorn leaves the signals to us
         finally:
             await self._client.aclose()
 

@@ -1,9 +1,11 @@
 """Listening sockets that several processes bind on one port (``SO_REUSEPORT``; no torch).
 
-The supervisor runs the REST gateway as ``DeploymentConfig.rest_gateway_workers`` processes. Each
-binds the same host and port with ``SO_REUSEPORT``, and the kernel deals the incoming connections
-over their listening sockets, so the gateway's Python work spreads over as many cores. A worker that
-dies takes only the connections dealt to it; the others keep serving while it restarts.
+The supervisor runs the REST gateway as ``DeploymentConfig.rest_gateway_workers`` processes and the
+OpenAI server as ``openai_server_workers``. Each process of a front end binds the same host and port
+with ``SO_REUSEPORT``, and the kernel deals the incoming connections over their listening sockets, so
+the front end's Python work spreads over as many cores. A process that dies takes only the
+connections dealt to it; the others keep serving while it restarts. Both front ends listen on the
+addresses waitress resolves for a host (every address of a name, IPv6 sockets IPv6 only).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ def shared_port_sockets(host: str, port: int) -> list[socket.socket]:
     """Bound (not yet listening) TCP sockets on the addresses waitress would listen on for ``host``
     and ``port`` (its own resolution), with ``SO_REUSEPORT`` set. ``OSError`` when the port is held
     without it."""
-    from waitress.adjustments import Adjustments  # why here: only the REST gateway's process needs it
+    from waitress.adjustments import Adjustments  # why here: only the HTTP front ends' processes need it
 
     sockets: list[socket.socket] = []
     try:
