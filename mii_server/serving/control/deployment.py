@@ -37,6 +37,19 @@ def _http_workers(given: int | None) -> int:
     return max(1, min(DEFAULT_HTTP_WORKERS, usable_cores() // CORES_PER_HTTP_WORKER))
 
 
+def _http_workers_field(front_end: str, port: str, per_process: str = "") -> Any:
+    """The ``*_api_workers`` field of one HTTP front end (its processes; see ``_http_workers``)."""
+    return Field(
+        default=None,
+        ge=1,
+        le=64,
+        description=f"Processes of {front_end}, every one bound to {port} with SO_REUSEPORT (the kernel deals "
+        f"incoming connections over them{per_process}). One Python process does its work on one core at "
+        f"most. None: {DEFAULT_HTTP_WORKERS}, or one per {CORES_PER_HTTP_WORKER} CPU cores this process may "
+        "use if that is fewer, and at least 1.",
+    )
+
+
 def usable_cores() -> int:
     """The cores this process may run on (its affinity, as a container's cpuset sets it, where the OS tells)."""
     if hasattr(os, "sched_getaffinity"):
@@ -81,14 +94,8 @@ class DeploymentConfig(BaseModel):
         "it waits). None sizes it from admission: every prompt the replicas can run or queue "
         "(replica_num * (max_ragged_sequence_count + max_queued_requests)) plus headroom.",
     )
-    restful_api_workers: int | None = Field(
-        default=None,
-        ge=1,
-        le=64,
-        description="Processes of the REST gateway, every one bound to restful_api_port with SO_REUSEPORT (the "
-        "kernel deals incoming connections over them; each has restful_api_threads threads). One Python "
-        f"process saturates one core. None: {DEFAULT_HTTP_WORKERS}, or one per "
-        f"{CORES_PER_HTTP_WORKER} CPU cores this process may use if that is fewer, and at least 1.",
+    restful_api_workers: int | None = _http_workers_field(
+        "the REST gateway", "restful_api_port", "; each has restful_api_threads threads"
     )
     enable_openai_api: bool = Field(default=False, description="Start the OpenAI-compatible HTTP server.")
     openai_api_host: str = Field(
@@ -97,15 +104,7 @@ class DeploymentConfig(BaseModel):
     openai_api_port: int = Field(
         default=8000, ge=1, le=65535, description="OpenAI-compatible server's HTTP port."
     )
-    openai_api_workers: int | None = Field(
-        default=None,
-        ge=1,
-        le=64,
-        description="Processes of the OpenAI-compatible server, every one bound to openai_api_port with "
-        "SO_REUSEPORT (the kernel deals incoming connections over them). One Python process saturates one "
-        f"core. None: {DEFAULT_HTTP_WORKERS}, or one per {CORES_PER_HTTP_WORKER} CPU cores this process "
-        "may use if that is fewer, and at least 1.",
-    )
+    openai_api_workers: int | None = _http_workers_field("the OpenAI-compatible server", "openai_api_port")
     served_model_name: str = Field(
         default="",
         description="Model id the OpenAI API lists and accepts; empty means model_name_or_path "

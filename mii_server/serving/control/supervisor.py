@@ -45,7 +45,7 @@ class Child:
     """One supervised process."""
 
     role: Role
-    index: int | None  # replica index, or REST gateway process index when there are several; else None
+    index: int | None  # replica index, or an HTTP front end's process index when it has several; else None
     log_path: Path
     env: dict[str, str]
     proc: subprocess.Popen | None = None
