@@ -108,16 +108,19 @@ def time_against_reference(
     return ref_ms, ms
 
 
-def bench_decode(sweep: bool, block_size: int, batch: int, ctx: int) -> list[dict]:
+def bench_decode(sweep: bool, block_size: int, batch: int, ctx: int, kv_dtype: str = "bf16") -> list[dict]:
+    """``kv_dtype`` "fp8": the cache holds fp8 e4m3 keys and values (``kv_cache={"dtype": "fp8"}``)."""
     hq, hk, d = 32, 8, 128
     q, k_cache, v_cache, meta = make_batch([(1, ctx)] * batch, hq, hk, d, block_size, torch.bfloat16)
+    if kv_dtype == "fp8":
+        k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
     scale = d**-0.5
-    moved = 2 * batch * ctx * hk * d * 2 + 2 * q.numel() * 2  # K+V read, q read, out written
+    moved = 2 * batch * ctx * hk * d * k_cache.element_size() + 2 * q.numel() * 2  # K+V read, q read, out written
     rows = []
     ref_ms, ms = time_against_reference(q, k_cache, v_cache, meta, scale)
     gbs = moved / ms / 1e-3
     rows.append(_report(
-        f"decode_b{batch}_ctx{ctx}_bs{block_size}", ms, TBps=gbs / 1e12, frac_hbm=gbs / HBM_BYTES_PER_S,
+        f"decode_b{batch}_ctx{ctx}_bs{block_size}_{kv_dtype}", ms, TBps=gbs / 1e12, frac_hbm=gbs / HBM_BYTES_PER_S,
         reference_ms=ref_ms, speedup_vs_reference=ref_ms / ms,
     ))  # fmt: skip
     if sweep:
@@ -139,7 +142,7 @@ def bench_decode(sweep: bool, block_size: int, batch: int, ctx: int) -> list[dic
                         continue
                     gbs = moved / ms / 1e-3
                     rows.append(_report(
-                        "decode_sweep", ms, splits=splits, block_n=block_n, warps=warps, stages=stages,
+                        f"decode_sweep_{kv_dtype}", ms, splits=splits, block_n=block_n, warps=warps, stages=stages,
                         frac_hbm=gbs / HBM_BYTES_PER_S,
                     ))  # fmt: skip
     return rows
@@ -633,6 +636,10 @@ def main() -> None:
         help="sequences and context length of the decode case (default: 64 2048)",
     )  # fmt: skip
     parser.add_argument(
+        "--kv-dtype", nargs="+", choices=["bf16", "fp8"], default=["bf16"],
+        help="KV cache dtypes of the decode case (fp8: e4m3, as kv_cache={'dtype': 'fp8'} stores it)",
+    )  # fmt: skip
+    parser.add_argument(
         "--prefill-lengths", type=int, nargs="+", default=[2048] * 8,
         help="prompt lengths of the prefill case, all fresh (default: 8 x 2048)",
     )  # fmt: skip
@@ -653,7 +660,8 @@ def main() -> None:
     rows = []
     for block_size in [] if args.no_attention else args.block_size:
         sweep = set() if args.sweep is None else set(args.sweep or ("decode", "prefill", "gemm"))
-        rows += bench_decode("decode" in sweep, block_size, *args.decode_shape)
+        for kv_dtype in args.kv_dtype:
+            rows += bench_decode("decode" in sweep, block_size, *args.decode_shape, kv_dtype)
         rows += bench_prefill("prefill" in sweep, block_size, args.prefill_lengths, args.prefill_cached)
         if args.mixed:
             rows += bench_mixed(block_size)

@@ -60,15 +60,37 @@ def _load_kv(ptrs, pos_ok, d, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, D_PA
 
 
 @triton.jit
+def _product_query(q, FP16_PRODUCTS: tl.constexpr):
+    """(q as the tile products take it, the factor [M] each row's logits are multiplied back by).
+
+    FP16_PRODUCTS (a bf16 q over an fp8 cache): the products run in fp16, because fp8 widens to
+    fp16 in one conversion instruction per pair and to bf16 in four, which left the decode kernel
+    bound by conversions at ~40% of HBM bandwidth. fp16 holds every fp8 value and every bf16 one
+    below 2^16 exactly (to 2^-14), and p in [0, 1] more finely than bf16. A row with an element at
+    or above 2^15 is first divided by a power of two (exact); its logits get it back."""
+    if FP16_PRODUCTS:
+        qf = q.to(tl.float32)
+        amax = tl.max(tl.abs(qf), 1)
+        exponent = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2(amax))
+        shift = tl.maximum(exponent - 14, 0)
+        unscale = ((shift + 127) << 23).to(tl.float32, bitcast=True)  # 2^shift, exactly
+        return (qf / unscale[:, None]).to(tl.float16), unscale
+    else:
+        return q, tl.full([q.shape[0]], 1.0, tl.float32)
+
+
+@triton.jit
 def _attend_tile(
     q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head, tile_start, q_pos, ctx,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2, window, cap_in, cap_out,
     MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_PREC: tl.constexpr,
-    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, TMA: tl.constexpr = False,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, TMA: tl.constexpr = False, q_unscale=None,
+    RESCALED: tl.constexpr = False,
 ):  # fmt: skip
     """One online-softmax step of q [M, D] against BLOCK_N cached keys from ``tile_start``. Keys and
     values are read in q's dtype (an fp8 cache is widened; a cache in q's dtype is unchanged).
+    RESCALED: q comes from ``_product_query``, and each row's logits are multiplied by ``q_unscale``.
 
     SLIDING: keys at or before ``q_pos - window`` are masked too (MASKED tiles only). SOFTCAP: the
     scaled logits s become cap * tanh(s / cap), with ``cap_in`` = scale / cap, ``cap_out`` = cap / scale.
@@ -100,6 +122,8 @@ def _attend_tile(
             D_PAD,
         ).to(q.dtype)  # [N, D]
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [M, N], unscaled
+    if RESCALED:
+        qk = qk * q_unscale[:, None]
     if SOFTCAP:  # kept in unscaled units, so the lines below are shared
         qk = cap_out * _tanh(qk * cap_in)
     if MASKED:
@@ -145,7 +169,7 @@ def _prefill_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_PREC: tl.constexpr,
-    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, TMA: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, TMA: tl.constexpr, FP16_PRODUCTS: tl.constexpr,
 ):  # fmt: skip
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     # why reversed: later q-blocks of a sequence see longer contexts; start the heavy ones first
@@ -182,6 +206,7 @@ def _prefill_kernel(
     q_off = (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     io_mask = row_ok[:, None] & (d[None, :] < HEAD_DIM)
     q = tl.load(q_ptr + q_off, mask=io_mask, other=0.0)  # [M, D]
+    q, q_unscale = _product_query(q, FP16_PRODUCTS)
     q_pos = ctx - q_len + tok  # [M] position of each row's token
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -202,18 +227,21 @@ def _prefill_kernel(
                 q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row, kv_head, t * BLOCK_N, q_pos, ctx,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2, window, cap_in,
                 cap_out, True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PREC, SLIDING, SOFTCAP, TMA,
+                q_unscale, FP16_PRODUCTS,
             )  # fmt: skip
     for t in range(t_full, n_full):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row, kv_head, t * BLOCK_N, q_pos, ctx,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2, window, cap_in,
             cap_out, False, BLOCK_SIZE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PREC, SLIDING, SOFTCAP, TMA,
+            q_unscale, FP16_PRODUCTS,
         )  # fmt: skip
     for t in range(n_full, n_tiles):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row, kv_head, t * BLOCK_N, q_pos, ctx,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2, window, cap_in,
             cap_out, True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PREC, SLIDING, SOFTCAP, TMA,
+            q_unscale, FP16_PRODUCTS,
         )  # fmt: skip
     out = acc / l_i[:, None]
     o_off = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -230,6 +258,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     DOT_PREC: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
     MERGE_IN_KERNEL: tl.constexpr, G_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
+    FP16_PRODUCTS: tl.constexpr,
 ):  # fmt: skip
     """MERGE_IN_KERNEL: the last split of a (sequence, KV head) to finish merges the partial states
     of all its splits (counted in ``arrivals_ptr``, which it resets to 0), instead of a reduce launch."""
@@ -258,6 +287,7 @@ def _decode_kernel(
     io_mask = (rows < GROUP)[:, None] & (d[None, :] < HEAD_DIM)
     q_off = q_idx.to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_off, mask=io_mask, other=0.0)  # [M, D]
+    q, q_unscale = _product_query(q, FP16_PRODUCTS)
     q_pos = tl.zeros([M_PAD], dtype=tl.int32) + (ctx - 1)
 
     m_i = tl.full([M_PAD], float("-inf"), dtype=tl.float32)
@@ -269,6 +299,7 @@ def _decode_kernel(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row, kv_head, t * BLOCK_N, q_pos, ctx,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2, window, cap_in,
             cap_out, True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PREC, SLIDING, SOFTCAP,
+            False, q_unscale, FP16_PRODUCTS,
         )  # fmt: skip
     if NUM_SPLITS == 1:
         out = acc / l_i[:, None]
@@ -365,6 +396,11 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def fp16_products(q: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether the tile products run in fp16 (``_product_query``): a bf16 q over an fp8 cache."""
+    return q.dtype == torch.bfloat16 and cache.element_size() == 1
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # why: fp32 inputs would otherwise run through tf32 and miss the fp32 reference
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -455,7 +491,7 @@ def paged_decode_attention(
         HEAD_DIM=head_dim, D_PAD=d_pad, DOT_PREC=_dot_precision(q.dtype),
         SLIDING=bool(sliding_window), SOFTCAP=bool(logit_softcap),
         MERGE_IN_KERNEL=arrivals is not None, G_PAD=g_pad, SPLITS_PAD=splits_pad,
-        num_warps=num_warps, num_stages=num_stages, **pdl_launch(q.device),
+        FP16_PRODUCTS=fp16_products(q, k_cache), num_warps=num_warps, num_stages=num_stages, **pdl_launch(q.device),
     )  # fmt: skip
     if num_splits > 1 and arrivals is None:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -533,7 +569,7 @@ def paged_prefill_attention(
         GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, D_PAD=d_pad, DOT_PREC=_dot_precision(q.dtype),
         SLIDING=bool(sliding_window), SOFTCAP=bool(logit_softcap), TMA=tma,
-        num_warps=num_warps, num_stages=num_stages,
+        FP16_PRODUCTS=fp16_products(q, k_cache), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
 

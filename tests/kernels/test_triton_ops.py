@@ -210,6 +210,24 @@ def test_paged_attention_reads_an_fp8_cache(case) -> None:
     _check_attention(DTYPES[0], *case, triton_ops.paged_attention, cache_dtype=torch.float8_e4m3fn)
 
 
+@pytest.mark.parametrize("case", [MIXED_CASES[0], DECODE_CASES[0]])
+def test_bf16_queries_over_an_fp8_cache_beyond_fp16_range(case) -> None:
+    """A bf16 q over an fp8 cache takes the fp16 products (``fp16_products``): rows whose elements
+    pass fp16's range (2^16) are scaled down and back by a power of two, so they still match."""
+    num_q_heads, num_kv_heads, head_dim, block_size, seqs = case
+    k_cache, v_cache, meta = _ragged_batch(seqs, num_kv_heads, head_dim, block_size, torch.bfloat16)
+    k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+    q = _rand(sum(q for q, _ in seqs), num_q_heads, head_dim, dtype=torch.bfloat16)
+    assert triton_attention.fp16_products(q, k_cache)
+    q[::3] *= 2.0**17  # every third token's rows far past fp16's largest value
+    q[1::3] *= 2.0**-10  # and others small, where fp16 is subnormal
+    scale = 2.0**-17  # keeps the large rows' logits in a softmax that is not one-hot
+    out = triton_ops.paged_attention(q, k_cache, v_cache, meta, scale)
+    expected = reference.paged_attention(q, k_cache, v_cache, meta, scale)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, **ATTN_TOL[torch.bfloat16])
+
+
 @pytest.mark.parametrize("merge_in_kernel", [True, False])
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 def test_decode_split_counts_agree(num_splits: int, merge_in_kernel: bool) -> None:
