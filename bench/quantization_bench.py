@@ -50,6 +50,7 @@ CONFIGS: dict[str, tuple[str | None, str, str]] = {
     "int8": ("int8", "auto", "auto"),
     "wf6af16": ("wf6af16", "auto", "auto"),
     "bf16-kv-fp8": (None, "auto", "fp8"),
+    "fp8-kv-fp8": ("fp8", "auto", "fp8"),
 }
 TARGETS = {"fp8_batch1_ms": 2.6, "fp8_throughput_vs_bf16": 1.3}
 TINY = {**LLAMA3_8B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

@@ -258,7 +258,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     DOT_PREC: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
     MERGE_IN_KERNEL: tl.constexpr, G_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
-    FP16_PRODUCTS: tl.constexpr,
+    FP16_PRODUCTS: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """MERGE_IN_KERNEL: the last split of a (sequence, KV head) to finish merges the partial states
     of all its splits (counted in ``arrivals_ptr``, which it resets to 0), instead of a reduce launch."""
@@ -299,7 +299,7 @@ def _decode_kernel(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row, kv_head, t * BLOCK_N, q_pos, ctx,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2, window, cap_in,
             cap_out, True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PREC, SLIDING, SOFTCAP,
-            False, q_unscale, FP16_PRODUCTS,
+            TMA, q_unscale, FP16_PRODUCTS,
         )  # fmt: skip
     if NUM_SPLITS == 1:
         out = acc / l_i[:, None]
@@ -446,8 +446,13 @@ def paged_decode_attention(
     num_stages: int = 2,
     merge_in_kernel: bool | None = None,
     out: torch.Tensor | None = None,
+    tma: bool | None = None,
 ) -> torch.Tensor:
     """Split-K decode attention for batches of at most one new token per sequence.
+
+    ``tma`` (default: where ``tma_supported``, on Hopper): K/V tiles arrive by bulk copies. Measured
+    on an H200 at 256 x 640 and 64 x 2,048: an fp8 cache's kernel went from 46% and 37% of HBM
+    bandwidth to 58%; a bf16 cache's from 93.4% to 94.7% and 93.0% to 93.7%.
 
     ``merge_in_kernel`` (default: when one group's partial states fit ``MERGE_IN_KERNEL_MAX_ELEMENTS``):
     the splits are merged by the last of them to finish, not by a second launch. ``out``: where to
@@ -463,6 +468,8 @@ def paged_decode_attention(
     on_gpu = q.is_cuda
     if block_n is None:
         block_n = 64 if on_gpu else 16
+    if tma is None:
+        tma = on_gpu and _has_tma(q.device) and tma_supported(k_cache, v_cache, block_n)
     if num_splits is None:
         seen = min(meta.max_context_len, sliding_window) if sliding_window else meta.max_context_len
         num_splits = decode_num_splits(num_seqs, num_kv_heads, seen, block_n, _num_sms(q.device))
@@ -480,8 +487,11 @@ def paged_decode_attention(
             arrivals = split_arrivals(q.device, num_seqs * num_kv_heads)
     else:
         part_acc = part_ml = out  # unused
+    k_tiles, v_tiles = k_cache, v_cache
+    if tma:
+        k_tiles, v_tiles = _cache_descriptor(k_cache, block_n), _cache_descriptor(v_cache, block_n)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_acc, part_ml, out if arrivals is None else arrivals,
+        q, k_tiles, v_tiles, out, part_acc, part_ml, out if arrivals is None else arrivals,
         meta.block_table, meta.cu_q_lens, meta.context_lens, scale * _LOG2E, sliding_window, cap_in, cap_out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -491,7 +501,8 @@ def paged_decode_attention(
         HEAD_DIM=head_dim, D_PAD=d_pad, DOT_PREC=_dot_precision(q.dtype),
         SLIDING=bool(sliding_window), SOFTCAP=bool(logit_softcap),
         MERGE_IN_KERNEL=arrivals is not None, G_PAD=g_pad, SPLITS_PAD=splits_pad,
-        FP16_PRODUCTS=fp16_products(q, k_cache), num_warps=num_warps, num_stages=num_stages, **pdl_launch(q.device),
+        FP16_PRODUCTS=fp16_products(q, k_cache), TMA=tma, num_warps=num_warps, num_stages=num_stages,
+        **pdl_launch(q.device),
     )  # fmt: skip
     if num_splits > 1 and arrivals is None:
         _decode_reduce_kernel[(num_seqs, num_heads)](
