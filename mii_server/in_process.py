@@ -69,8 +69,12 @@ class Pipeline:
         params = GenerateParams.from_kwargs(**generate_kwargs)
         prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
         updates: dict[int, list[RequestUpdate]] = {}
+
+        def collect(update: RequestUpdate) -> None:
+            updates[update.uid].append(update)
+
         # Validate every prompt before queueing any, so a bad one leaves nothing behind.
-        requests = [loop.prepare(p, params, lambda u: updates[u.uid].append(u), stream=False) for p in prompt_list]
+        requests = loop.prepare_many(prompt_list, params, [collect] * len(prompt_list), stream=False)
         for req in requests:
             updates[req.uid] = []
         loop.enqueue(requests)

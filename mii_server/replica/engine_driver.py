@@ -53,14 +53,17 @@ class EngineDriver:
     def context_length(self) -> int:
         return self.runtime.context_length
 
-    def prepare(self, prompt: str | list[int], params: GenerateParams, sink: Sink, stream: bool) -> Request:
-        """Tokenise and validate one prompt (any thread; raises ``InvalidRequest``); nothing is queued.
+    def prepare_many(
+        self, prompts: list[str | list[int]], params: GenerateParams, sinks: list[Sink], stream: bool
+    ) -> list[Request]:
+        """Tokenise (texts in one batch) and validate an RPC's prompts (any thread; raises
+        ``InvalidRequest``); nothing is queued.
 
         ``stream=False``: the sink still gets an update per token, but the text comes whole with the
         final one (decoded once instead of token by token).
         """
         self._check_running()
-        return self.loop.prepare(prompt, params, sink, stream)
+        return self.loop.prepare_many(prompts, params, sinks, stream)
 
     def enqueue(self, requests: list[Request]) -> None:
         """Hand prepared requests to the batching thread (``EngineDead`` after shutdown)."""

@@ -262,4 +262,4 @@ def _prepare_all(
     """Check the token ids, tokenise and validate every prompt of an RPC before any is queued (a bad one
     leaves nothing behind)."""
     tokenizer_service.check_token_ids(prompts, _vocabulary(driver))
-    return [driver.prepare(prompt, params, requests.sink(i), stream) for i, prompt in enumerate(prompts)]
+    return driver.prepare_many(prompts, params, [requests.sink(i) for i in range(len(prompts))], stream)
