@@ -25,6 +25,7 @@ from ..batching.request import Request, RequestUpdate
 from ..errors import CapacityExceeded, EngineDead, InvalidRequest
 from ..generation.params import GenerateParams
 from ..serving.metrics import ReplicaMetrics
+from ..serving.multiplexed import serve_multiplexed
 from ..serving.status import abort_rpc
 from ..wire import convert, generation_pb2_grpc
 from ..wire import generation_pb2 as pb
@@ -110,6 +111,12 @@ class ReplicaServicer(generation_pb2_grpc.GenerationServicer):
                 yield convert.completion_to_proto(update.response, index)
         finally:
             requests.abort_unfinished()
+
+    async def GenerateMultiplexed(
+        self, request_iterator: AsyncIterator[pb.MultiplexedRequest], context: grpc.aio.ServicerContext
+    ) -> None:
+        """GenerateStream's requests from a load balancer over one call (``serving.multiplexed``)."""
+        await serve_multiplexed(self.GenerateStream, request_iterator, context)
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsReply:
         return pb.StatsReply(replicas=[convert.stats_to_proto(self._stats())])

@@ -38,6 +38,7 @@ ADMIN_TOKEN_METADATA = "x-mii-admin-token"
 _PROTECTED_SERVICE = "/mii_server.wire.Generation/"  # grpc.health.v1 stays open: probes need no key
 _ADMIN_METHODS = frozenset({_PROTECTED_SERVICE + "Terminate"})
 _STREAMING_METHODS = frozenset({_PROTECTED_SERVICE + "GenerateStream"})
+_BIDIRECTIONAL_METHODS = frozenset({_PROTECTED_SERVICE + "GenerateMultiplexed"})
 
 
 class ApiKeys:
@@ -185,6 +186,8 @@ def _refusal(method: str, exc: Exception) -> grpc.RpcMethodHandler:
 
     if method in _STREAMING_METHODS:
         return grpc.unary_stream_rpc_method_handler(refuse_stream)
+    if method in _BIDIRECTIONAL_METHODS:
+        return grpc.stream_stream_rpc_method_handler(refuse_stream)
     return grpc.unary_unary_rpc_method_handler(refuse)
 
 
@@ -210,6 +213,11 @@ class _AioUnaryMetadata(_AioMetadata, grpc.aio.UnaryUnaryClientInterceptor):
 class _AioStreamMetadata(_AioMetadata, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
+
+
+class _AioBidirectionalMetadata(_AioMetadata, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return await continuation(self._details(details), request_iterator)
 
 
 class _SyncMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
@@ -244,7 +252,7 @@ def aio_interceptors(api_key: str) -> list[Any]:
     if not api_key:
         return []
     metadata = call_metadata(api_key)
-    return [_AioUnaryMetadata(metadata), _AioStreamMetadata(metadata)]
+    return [_AioUnaryMetadata(metadata), _AioStreamMetadata(metadata), _AioBidirectionalMetadata(metadata)]
 
 
 def intercepted(channel: grpc.Channel, api_key: str) -> grpc.Channel:

@@ -96,6 +96,25 @@ def error_from_rpc(err: grpc.RpcError, where: str = "") -> errors.MIIServerError
     return cls(f"{code.name}: {details}")
 
 
+class RemoteError(grpc.RpcError):
+    """A call's failure that arrived as data (a multiplexed stream's error event) or was decided
+    locally (a hung replica); it reads as a failed call does (``code``, ``details``,
+    ``trailing_metadata``), so ``is_retryable``, ``forward_rpc_error`` and ``error_from_rpc`` take it."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, error_name: str | None = None) -> None:
+        super().__init__(details)
+        self._code, self._details, self._error_name = code, details, error_name
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((ERROR_METADATA_KEY, self._error_name),) if self._error_name else ()
+
+
 def is_retryable(err: grpc.RpcError) -> bool:
     """True for failures that say nothing was done (replica down or dying): safe to send elsewhere."""
     return _code_of(err) == grpc.StatusCode.UNAVAILABLE

@@ -69,6 +69,11 @@ class GenerationStub:
                 request_serializer=mii__server_dot_wire_dot_generation__pb2.TokenizerInfoRequest.SerializeToString,
                 response_deserializer=mii__server_dot_wire_dot_generation__pb2.TokenizerInfoReply.FromString,
                 _registered_method=True)
+        self.GenerateMultiplexed = channel.stream_stream(
+                '/mii_server.wire.Generation/GenerateMultiplexed',
+                request_serializer=mii__server_dot_wire_dot_generation__pb2.MultiplexedRequest.SerializeToString,
+                response_deserializer=mii__server_dot_wire_dot_generation__pb2.MultiplexedEvents.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -125,6 +130,16 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateMultiplexed(self, request_iterator, context):
+        """Many GenerateStream requests over one call (load balancer -> replica). The caller sends each
+        request and each cancellation tagged with a stream id of its choosing; the replica answers with
+        the events of every stream batched, one message per engine step, where one GenerateStream call
+        per request costs a message per token of each. A stream's last event is `done` or `error`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +177,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.TokenizerInfo,
                     request_deserializer=mii__server_dot_wire_dot_generation__pb2.TokenizerInfoRequest.FromString,
                     response_serializer=mii__server_dot_wire_dot_generation__pb2.TokenizerInfoReply.SerializeToString,
+            ),
+            'GenerateMultiplexed': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMultiplexed,
+                    request_deserializer=mii__server_dot_wire_dot_generation__pb2.MultiplexedRequest.FromString,
+                    response_serializer=mii__server_dot_wire_dot_generation__pb2.MultiplexedEvents.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -353,6 +373,33 @@ class Generation:
             '/mii_server.wire.Generation/TokenizerInfo',
             mii__server_dot_wire_dot_generation__pb2.TokenizerInfoRequest.SerializeToString,
             mii__server_dot_wire_dot_generation__pb2.TokenizerInfoReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMultiplexed(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/mii_server.wire.Generation/GenerateMultiplexed',
+            mii__server_dot_wire_dot_generation__pb2.MultiplexedRequest.SerializeToString,
+            mii__server_dot_wire_dot_generation__pb2.MultiplexedEvents.FromString,
             options,
             channel_credentials,
             insecure,

@@ -11,6 +11,7 @@ import grpc
 from mii_server.errors import CapacityExceeded, InvalidRequest
 from mii_server.generation.response import FinishReason, Response
 from mii_server.serving import grpc_common
+from mii_server.serving.multiplexed import serve_multiplexed
 from mii_server.serving.routing.load_balancer import LoadBalancer
 from mii_server.serving.security import ApiKeys, GrpcSecurity
 from mii_server.serving.status import abort_rpc
@@ -32,6 +33,7 @@ class FakeReplica(generation_pb2_grpc.GenerationServicer):
         self.terminated = asyncio.Event()
         self.cancelled = asyncio.Event()
         self.frozen = False
+        self.multiplexed_calls = 0  # GenerateMultiplexed calls opened on it (by load balancers)
 
     async def _unless_frozen(self) -> None:
         while self.frozen:
@@ -73,6 +75,10 @@ class FakeReplica(generation_pb2_grpc.GenerationServicer):
                     if text.startswith("slow"):
                         await asyncio.sleep(0.05)
                     yield convert.completion_to_proto(Response(text[step], 1, step + 1, reason), i)
+
+    async def GenerateMultiplexed(self, request_iterator, context):
+        self.multiplexed_calls += 1
+        await serve_multiplexed(self.GenerateStream, request_iterator, context)
 
     async def Stats(self, request, context):
         await self._unless_frozen()

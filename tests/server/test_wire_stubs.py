@@ -51,5 +51,6 @@ def test_service_has_the_rpcs_the_servers_implement() -> None:
         "ApplyChatTemplate",
         "Tokenize",
         "TokenizerInfo",
+        "GenerateMultiplexed",
     ]
     assert hasattr(generation_pb2_grpc, "GenerationStub")

@@ -39,8 +39,9 @@ from ...errors import MIIServerError, ReplicaUnavailable
 from ...wire import convert, generation_pb2_grpc
 from ...wire import generation_pb2 as pb
 from .. import grpc_common
+from ..multiplexed import MultiplexedChannel, remote_error
 from ..security import ApiKeys, GrpcSecurity
-from ..status import ERROR_METADATA_KEY, abort_rpc, forward_rpc_error, is_retryable
+from ..status import RemoteError, abort_rpc, forward_rpc_error, is_retryable
 from .discovery import ReplicaDiscovery
 from .router import RoundRobinRouter, group_by_replica
 
@@ -67,23 +68,19 @@ class ReplicaLink:
     last_alive: float = field(default_factory=time.monotonic)  # last answer that showed a working engine
     stalled: bool = False  # silent (or stuck in one step) past the stall timeout: its calls were failed over
     work: set[asyncio.Task] = field(default_factory=set)  # generation calls on it (cancelled if it stalls)
+    multiplexed: MultiplexedChannel | None = None  # its streamed requests, over one call
+
+    def __post_init__(self) -> None:
+        self.multiplexed = MultiplexedChannel(self.stub, self.address)
 
 
-class ReplicaStalled(grpc.RpcError):
+def replica_stalled(address: str, timeout_s: float) -> RemoteError:
     """What a call on a hung replica ends with: UNAVAILABLE (so prompts with no output are retried)."""
-
-    def __init__(self, address: str, timeout_s: float) -> None:
-        super().__init__()
-        self._details = f"replica {address} is hung (no progress for {timeout_s:.0f}s); its requests were failed over"
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.UNAVAILABLE
-
-    def details(self) -> str:
-        return self._details
-
-    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((ERROR_METADATA_KEY, "ReplicaUnavailable"),)
+    return RemoteError(
+        grpc.StatusCode.UNAVAILABLE,
+        f"replica {address} is hung (no progress for {timeout_s:.0f}s); its requests were failed over",
+        "ReplicaUnavailable",
+    )
 
 
 class LoadBalancer(generation_pb2_grpc.GenerationServicer):
@@ -151,7 +148,7 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
             await self._probe([self._links[a] for a in added if a in self._links])
 
     def _close(self, link: ReplicaLink) -> None:
-        task = asyncio.ensure_future(link.channel.close())
+        task = asyncio.ensure_future(_close_link(link))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
@@ -186,7 +183,7 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
 
     async def close(self) -> None:
         for link in self._links.values():
-            await link.channel.close()
+            await _close_link(link)
         self._links.clear()
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
@@ -326,7 +323,7 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
         except asyncio.CancelledError:
             if not link.stalled:
                 raise  # our caller left
-            return link.address, indices, ReplicaStalled(link.address, self.stall_timeout_s)
+            return link.address, indices, replica_stalled(link.address, self.stall_timeout_s)
 
     async def GenerateStream(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -374,27 +371,40 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
     async def _pump(
         self, link: ReplicaLink, indices: list[int], request: pb.GenerateRequest, events: asyncio.Queue
     ) -> None:
-        """Forward one replica's stream into ``events`` with prompt indices mapped back."""
-        call = link.stub.GenerateStream(_sub_request(request, indices))
+        """Forward one replica's stream (over its multiplexed call) into ``events`` with prompt
+        indices mapped back."""
+        assert link.multiplexed is not None
+        stream_id, inbox = link.multiplexed.open(_sub_request(request, indices))
         produced = False
         try:
-            async for chunk in call:
-                produced = True
-                chunk.prompt_index = indices[chunk.prompt_index]
-                events.put_nowait(("chunk", chunk))
+            while True:
+                batch = [await inbox.get()]
+                while not inbox.empty():
+                    batch.append(inbox.get_nowait())
+                for event in batch:
+                    if isinstance(event, grpc.RpcError):  # the multiplexed call failed
+                        raise event
+                    kind = event.WhichOneof("kind")
+                    if kind == "error":
+                        raise remote_error(event.error)
+                    if kind == "done":
+                        events.put_nowait(("done", None))
+                        return
+                    produced = True
+                    chunk = event.chunk
+                    chunk.prompt_index = indices[chunk.prompt_index]
+                    events.put_nowait(("chunk", chunk))
         except (grpc.RpcError, asyncio.CancelledError) as exc:
             if isinstance(exc, asyncio.CancelledError):
                 if not link.stalled:
                     raise  # our caller left
-                exc = ReplicaStalled(link.address, self.stall_timeout_s)
+                exc = replica_stalled(link.address, self.stall_timeout_s)
             if not produced and is_retryable(exc):
                 events.put_nowait(("retry", (link.address, indices, exc)))
             else:
                 events.put_nowait(("error", exc))
-            return
         finally:
-            call.cancel()  # no-op after a clean end
-        events.put_nowait(("done", None))
+            link.multiplexed.close_stream(stream_id)  # cancels it on the replica unless it ended
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsReply:
         links = list(self._links.values())
@@ -469,3 +479,9 @@ def _sub_request(request: pb.GenerateRequest, indices: list[int]) -> pb.Generate
     return pb.GenerateRequest(
         prompts=[request.prompts[i] for i in indices], params=request.params, request_id=request.request_id
     )
+
+
+async def _close_link(link: ReplicaLink) -> None:
+    if link.multiplexed is not None:
+        await link.multiplexed.close()
+    await link.channel.close()
