@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 Observer = Callable[[int, RequestUpdate], None]
 # Called on the event loop with (prompt index, final update) once per prompt.
 OnFinal = Callable[[int, RequestUpdate], None]
+# Called on the event loop with every (prompt index, update) of a streamed RPC, in order.
+Forward = Callable[[int, RequestUpdate], None]
 
 
 @dataclass
@@ -52,12 +54,16 @@ class RpcRequests:
         abort: Callable[[int], None],
         observe: Observer | None = None,
         on_final: OnFinal | None = None,
+        forward: Forward | None = None,
     ) -> None:
+        """``forward`` (streamed RPCs): each update is handed to it on the event loop as it arrives,
+        instead of being queued for ``updates()``."""
         self.stream = stream
         self._relay = relay
         self._abort = abort
         self._observe = observe
         self._on_final = on_final
+        self._forward = forward
         self._progress = [_Progress() for _ in range(num_prompts)]
         self._unfinished = num_prompts  # prompts whose final update has not reached the loop
         self._queue: asyncio.Queue[tuple[int, RequestUpdate]] = asyncio.Queue()  # streamed updates
@@ -102,7 +108,9 @@ class RpcRequests:
                 self._on_final(index, update)
             if self._unfinished == 0 or update.error is not None:
                 self._settled.set()
-        if self.stream:
+        if self._forward is not None:
+            self._forward(index, update)
+        elif self.stream:
             self._queue.put_nowait((index, update))
 
     async def updates(self) -> AsyncIterator[tuple[int, RequestUpdate]]:
@@ -119,10 +127,14 @@ class RpcRequests:
                     remaining -= 1
                 yield index, update
 
+    async def settled(self) -> None:
+        """Until every prompt has finished, or one has failed."""
+        await self._settled.wait()
+
     async def results(self) -> list[Response]:
         """Every prompt's whole Response, in order; raises the first prompt's error, if any."""
         assert not self.stream, "results() is for unary RPCs; use updates()"
-        await self._settled.wait()
+        await self.settled()
         for progress in self._progress:
             if progress.error is not None:
                 raise progress.error

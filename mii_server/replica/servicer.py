@@ -25,15 +25,15 @@ from ..batching.request import Request, RequestUpdate
 from ..errors import CapacityExceeded, EngineDead, InvalidRequest
 from ..generation.params import GenerateParams
 from ..serving.metrics import ReplicaMetrics
-from ..serving.multiplexed import serve_multiplexed
-from ..serving.status import abort_rpc
+from ..serving.multiplexed import Emit, serve_multiplexed
+from ..serving.status import RemoteError, abort_rpc
 from ..wire import convert, generation_pb2_grpc
 from ..wire import generation_pb2 as pb
 from ..wire.types import EngineStats, Prompt, ReplicaStats
 from . import tokenizer_service
 from .chat import render_chat
 from .relay import UpdateRelay
-from .rpc_requests import RpcRequests
+from .rpc_requests import Forward, RpcRequests
 
 if TYPE_CHECKING:
     from .engine_driver import EngineDriver
@@ -116,7 +116,7 @@ class ReplicaServicer(generation_pb2_grpc.GenerationServicer):
         self, request_iterator: AsyncIterator[pb.MultiplexedRequest], context: grpc.aio.ServicerContext
     ) -> None:
         """GenerateStream's requests from a load balancer over one call (``serving.multiplexed``)."""
-        await serve_multiplexed(self.GenerateStream, request_iterator, context)
+        await serve_multiplexed(self._multiplexed_stream, request_iterator, context)
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsReply:
         return pb.StatsReply(replicas=[convert.stats_to_proto(self._stats())])
@@ -179,31 +179,45 @@ class ReplicaServicer(generation_pb2_grpc.GenerationServicer):
             model_name=self.model_name,
         )
 
-    async def _serving_driver(self, context: grpc.aio.ServicerContext) -> EngineDriver:
+    def _live_driver(self) -> EngineDriver:
+        """The engine driver; ``EngineDead`` while loading or stopping."""
         driver = self._driver
         if driver is None or self.stop_requested.is_set():
-            await abort_rpc(
-                context, EngineDead(f"replica {self.replica_index} is not serving (loading or stopping)")
-            )
+            raise EngineDead(f"replica {self.replica_index} is not serving (loading or stopping)")
         return driver
+
+    async def _serving_driver(self, context: grpc.aio.ServicerContext) -> EngineDriver:
+        try:
+            return self._live_driver()
+        except EngineDead as exc:
+            await abort_rpc(context, exc)
 
     async def _start(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, stream: bool
     ) -> RpcRequests:
+        """``_open``, ending the RPC with the status of any refusal."""
+        try:
+            return await self._open(request, stream)
+        except Exception as exc:  # noqa: BLE001 - typed errors keep their status, others become INTERNAL
+            await abort_rpc(context, exc)
+
+    async def _open(
+        self, request: pb.GenerateRequest, stream: bool, forward: Forward | None = None
+    ) -> RpcRequests:
         """Admit, prepare every prompt (off the loop) and enqueue them together; the caller owns the
         returned requests and must ``abort_unfinished`` them when its RPC ends. ``stream``: the caller
-        reads text as it comes (else the text is decoded once, when each prompt finishes)."""
-        driver = await self._serving_driver(context)
+        reads text as it comes (else the text is decoded once, when each prompt finishes); ``forward``:
+        see ``RpcRequests``. Raises the refusal (not serving, a bad request, overloaded)."""
+        driver = self._live_driver()
         request_id = convert.request_id_of(request)
         count = len(request.prompts)
         try:
             prompts = convert.prompts_from_proto(request.prompts)
             params = convert.params_from_proto(request.params)
             self._admit(driver, count)
-        except Exception as exc:  # noqa: BLE001 - typed errors keep their status, others become INTERNAL
-            self.metrics.failed(exc)
-            log.info("request_id=%s rejected: %s: %s", request_id, type(exc).__name__, exc)
-            await abort_rpc(context, exc)
+        except Exception as exc:
+            self._rejected(request_id, exc)
+            raise
         self._outstanding += count  # why now: concurrent admissions must see these prompts
         timings = [self.metrics.start() for _ in range(count)]
         requests = RpcRequests(
@@ -213,6 +227,7 @@ class ReplicaServicer(generation_pb2_grpc.GenerationServicer):
             abort=driver.abort,
             observe=lambda i, update: self.metrics.observe(timings[i], update),
             on_final=lambda i, update: self._finished(request_id, update),
+            forward=forward,
         )
         try:
             loop = asyncio.get_running_loop()
@@ -223,15 +238,39 @@ class ReplicaServicer(generation_pb2_grpc.GenerationServicer):
         except BaseException as exc:  # a bad prompt, a dead engine, or the caller left while we prepared
             self._outstanding -= count
             if isinstance(exc, Exception):
-                self.metrics.failed(exc)
-                log.info("request_id=%s rejected: %s: %s", request_id, type(exc).__name__, exc)
-                await abort_rpc(context, exc)
+                self._rejected(request_id, exc)
             raise
         for i, req in enumerate(prepared):
             requests.bind(i, req.uid)
         self._received += count
         log.info("request_id=%s accepted prompts=%d", request_id, count)
         return requests
+
+    async def _multiplexed_stream(self, request: pb.GenerateRequest, emit: Emit) -> None:
+        """One stream of GenerateMultiplexed: as GenerateStream, but each update goes to ``emit`` as
+        the event loop gets it, with no task per stream woken per token."""
+        failure: list[BaseException] = []
+
+        def forward(index: int, update: RequestUpdate) -> None:
+            if update.error is not None:
+                failure.append(update.error)
+            elif not failure:
+                emit(convert.completion_to_proto(update.response, index))
+
+        try:
+            requests = await self._open(request, stream=True, forward=forward)
+        except Exception as exc:  # noqa: BLE001 - the stream's status, as _start's abort would give it
+            raise RemoteError.of(exc) from None
+        try:
+            await requests.settled()
+        finally:
+            requests.abort_unfinished()  # no-op when all finished; frees KV blocks if cancelled
+        if failure:
+            raise RemoteError.of(failure[0])
+
+    def _rejected(self, request_id: str, exc: Exception) -> None:
+        self.metrics.failed(exc)
+        log.info("request_id=%s rejected: %s: %s", request_id, type(exc).__name__, exc)
 
     def _admit(self, driver: EngineDriver, num_prompts: int) -> None:
         """Raise ``CapacityExceeded`` when ``num_prompts`` more would make more than

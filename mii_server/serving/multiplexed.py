@@ -6,10 +6,12 @@ call per replica, the load balancer sends each request (``start``) and each canc
 stream id, and the replica answers with the events of all its streams batched: the updates of one
 engine step reach the event loop together, so they leave as one message.
 
-- ``serve_multiplexed`` is the replica's end. Each stream runs the servicer's own ``GenerateStream``
-  (its admission, errors, merging and abort-on-exit unchanged) with a context whose ``abort`` raises;
-  the stream's chunks, its end (``done``) or its failure (``error``: the status GenerateStream would
-  have ended with) go to a shared outbox that is sent whenever the event loop gets to it.
+- ``serve_multiplexed`` is the replica's end. Each stream is run by a ``StreamRunner``: the
+  replica's hands the engine's updates for the stream to the outbox as the event loop receives them
+  (``ReplicaServicer._multiplexed_stream``; the admission, errors and abort-on-exit of GenerateStream),
+  and ``stream_runner`` makes one of any servicer's GenerateStream. The stream's chunks, its end
+  (``done``) or its failure (``error``: the status GenerateStream would have ended with) go to a
+  shared outbox that is sent whenever the event loop gets to it.
 - ``MultiplexedChannel`` is the load balancer's end for one replica: the call is opened by the first
   stream and opened again by the next stream after it fails. When it fails, every stream on it fails
   with the call's status (a replica that died or restarted: UNAVAILABLE, retried elsewhere by the
@@ -22,17 +24,22 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn
 
 import grpc
 
 from ..wire import generation_pb2 as pb
-from .status import ERROR_METADATA_KEY, RemoteError
+from .status import ERROR_METADATA_KEY, RemoteError, rpc_status
 
 log = logging.getLogger(__name__)
 
-# The servicer's GenerateStream: (request, context) -> its completions.
+# Takes one stream's chunk, in order.
+Emit = Callable[[pb.Completion], None]
+# Runs one stream: hands its chunks to the Emit as they come, returns when it has ended, raises a
+# grpc.RpcError (``RemoteError``) with the status it failed with; cancelled when the caller leaves.
+StreamRunner = Callable[[pb.GenerateRequest, Emit], Awaitable[None]]
+# A servicer's GenerateStream: (request, context) -> its completions.
 StreamMethod = Callable[[pb.GenerateRequest, Any], AsyncIterator[pb.Completion]]
 
 
@@ -47,12 +54,22 @@ class _StreamContext:
         raise RemoteError(code, details, name)
 
 
+def stream_runner(generate_stream: StreamMethod) -> StreamRunner:
+    """A servicer's GenerateStream as a ``StreamRunner``: its chunks emitted, its abort raised."""
+
+    async def run(request: pb.GenerateRequest, emit: Emit) -> None:
+        async for chunk in generate_stream(request, _StreamContext()):
+            emit(chunk)
+
+    return run
+
+
 async def serve_multiplexed(
-    generate_stream: StreamMethod, requests: AsyncIterator[pb.MultiplexedRequest], context: Any
+    run_stream: StreamRunner, requests: AsyncIterator[pb.MultiplexedRequest], context: Any
 ) -> None:
-    """The replica's GenerateMultiplexed over its ``generate_stream``, writing to ``context``: until the
-    caller half-closes and every stream has ended, or the call is cancelled (which cancels every
-    stream)."""
+    """The replica's GenerateMultiplexed: each stream run by ``run_stream``, the events written to
+    ``context`` until the caller half-closes and every stream has ended, or the call is cancelled
+    (which cancels every stream)."""
     outbox: list[pb.StreamEvent] = []
     wake = asyncio.Event()
     streams: dict[int, asyncio.Task] = {}
@@ -64,8 +81,7 @@ async def serve_multiplexed(
 
     async def run(stream_id: int, request: pb.GenerateRequest) -> None:
         try:
-            async for chunk in generate_stream(request, _StreamContext()):
-                emit(pb.StreamEvent(stream_id=stream_id, chunk=chunk))
+            await run_stream(request, lambda chunk: emit(pb.StreamEvent(stream_id=stream_id, chunk=chunk)))
             emit(pb.StreamEvent(stream_id=stream_id, done=True))
         except grpc.RpcError as err:  # the stream's status: RemoteError from _StreamContext.abort
             emit(pb.StreamEvent(stream_id=stream_id, error=stream_error(err)))
@@ -110,11 +126,9 @@ async def serve_multiplexed(
 
 
 def stream_error(err: grpc.RpcError) -> pb.StreamError:
-    code = err.code() if callable(getattr(err, "code", None)) else grpc.StatusCode.UNKNOWN
-    details = err.details() if callable(getattr(err, "details", None)) else str(err)
-    trailing = err.trailing_metadata() if callable(getattr(err, "trailing_metadata", None)) else ()
-    name = next((value for key, value in trailing or () if key == ERROR_METADATA_KEY), "")
-    return pb.StreamError(code=code.value[0], details=details or "", error_type=name)
+    """A stream's failure as its error event (the inverse of ``remote_error``)."""
+    code, details, name = rpc_status(err)
+    return pb.StreamError(code=code.value[0], details=details, error_type=name or "")
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}

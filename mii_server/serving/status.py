@@ -64,20 +64,31 @@ def error_name_of(exc: BaseException) -> str:
     return cls.__name__ if cls is not None else "InternalError"
 
 
-async def abort_rpc(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
-    """End the current RPC with the status that ``exc`` maps to (raises, as ``context.abort`` does)."""
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, str | None]:
+    """(code, details, error name or None) of the status a call ends with for ``exc``."""
     cls, code, _ = _classify(exc)
     if cls is not None:
-        await context.abort(code, str(exc), trailing_metadata=((ERROR_METADATA_KEY, cls.__name__),))
-    await context.abort(code, f"internal error: {type(exc).__name__}: {exc}")
+        return code, str(exc), cls.__name__
+    return code, f"internal error: {type(exc).__name__}: {exc}", None
+
+
+async def abort_rpc(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
+    """End the current RPC with the status that ``exc`` maps to (raises, as ``context.abort`` does)."""
+    code, details, name = status_of(exc)
+    await context.abort(code, details, trailing_metadata=((ERROR_METADATA_KEY, name),) if name else ())
     raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
+
+
+def rpc_status(err: grpc.RpcError) -> tuple[grpc.StatusCode, str, str | None]:
+    """(code, details, error name or None) of a failed call."""
+    return _code_of(err), _details_of(err), _error_name_from_metadata(err)
 
 
 async def forward_rpc_error(context: grpc.aio.ServicerContext, err: grpc.RpcError) -> NoReturn:
     """Re-raise an upstream RPC's failure to our own caller with the same code, message and type."""
-    name = _error_name_from_metadata(err)
+    code, details, name = rpc_status(err)
     metadata = ((ERROR_METADATA_KEY, name),) if name is not None else ()
-    await context.abort(_code_of(err), _details_of(err), trailing_metadata=metadata)
+    await context.abort(code, details, trailing_metadata=metadata)
     raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
 
@@ -104,6 +115,11 @@ class RemoteError(grpc.RpcError):
     def __init__(self, code: grpc.StatusCode, details: str, error_name: str | None = None) -> None:
         super().__init__(details)
         self._code, self._details, self._error_name = code, details, error_name
+
+    @classmethod
+    def of(cls, exc: BaseException) -> RemoteError:
+        """The status ``abort_rpc`` would end a call with for ``exc``."""
+        return cls(*status_of(exc))
 
     def code(self) -> grpc.StatusCode:
         return self._code

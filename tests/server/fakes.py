@@ -11,7 +11,7 @@ import grpc
 from mii_server.errors import CapacityExceeded, InvalidRequest
 from mii_server.generation.response import FinishReason, Response
 from mii_server.serving import grpc_common
-from mii_server.serving.multiplexed import serve_multiplexed
+from mii_server.serving.multiplexed import serve_multiplexed, stream_runner
 from mii_server.serving.routing.load_balancer import LoadBalancer
 from mii_server.serving.security import ApiKeys, GrpcSecurity
 from mii_server.serving.status import abort_rpc
@@ -78,7 +78,7 @@ class FakeReplica(generation_pb2_grpc.GenerationServicer):
 
     async def GenerateMultiplexed(self, request_iterator, context):
         self.multiplexed_calls += 1
-        await serve_multiplexed(self.GenerateStream, request_iterator, context)
+        await serve_multiplexed(stream_runner(self.GenerateStream), request_iterator, context)
 
     async def Stats(self, request, context):
         await self._unless_frozen()

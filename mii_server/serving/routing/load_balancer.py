@@ -1,7 +1,8 @@
 """The load balancer: one gRPC front for all replicas (``grpc.aio``; no torch, no GPU).
 
 Splits every request per prompt, round robin over replicas (``RoundRobinRouter``), forwards the
-pieces as the same RPC, and reassembles replies in prompt order; streams are merged chunk by chunk.
+pieces (Generate as the same RPC; GenerateStream as a stream of the replica's one multiplexed call,
+``serving.multiplexed``), and reassembles replies in prompt order; streams are merged chunk by chunk.
 A replica that fails with UNAVAILABLE before producing output is marked down and its prompts go to
 another one. Terminate fans out to every replica, then stops this process.
 
@@ -68,7 +69,7 @@ class ReplicaLink:
     last_alive: float = field(default_factory=time.monotonic)  # last answer that showed a working engine
     stalled: bool = False  # silent (or stuck in one step) past the stall timeout: its calls were failed over
     work: set[asyncio.Task] = field(default_factory=set)  # generation calls on it (cancelled if it stalls)
-    multiplexed: MultiplexedChannel | None = None  # its streamed requests, over one call
+    multiplexed: MultiplexedChannel = field(init=False)  # its streamed requests, over one call
 
     def __post_init__(self) -> None:
         self.multiplexed = MultiplexedChannel(self.stub, self.address)
@@ -373,7 +374,6 @@ class LoadBalancer(generation_pb2_grpc.GenerationServicer):
     ) -> None:
         """Forward one replica's stream (over its multiplexed call) into ``events`` with prompt
         indices mapped back."""
-        assert link.multiplexed is not None
         stream_id, inbox = link.multiplexed.open(_sub_request(request, indices))
         produced = False
         try:
@@ -482,6 +482,5 @@ def _sub_request(request: pb.GenerateRequest, indices: list[int]) -> pb.Generate
 
 
 async def _close_link(link: ReplicaLink) -> None:
-    if link.multiplexed is not None:
-        await link.multiplexed.close()
+    await link.multiplexed.close()
     await link.channel.close()
