@@ -3,13 +3,17 @@ streams over one call per replica, each cancelled or failed alone, and a new cal
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
+import grpc
 import pytest
 
 from mii_server.errors import CapacityExceeded, InvalidRequest
 from mii_server.serving.frontends.client import Client
 from mii_server.serving.frontends.loop_thread import LoopThread
+from mii_server.serving.multiplexed import remote_error, serve_multiplexed
+from mii_server.wire import generation_pb2 as pb
 
 from .fakes import start_balancer, start_fake
 from .helpers import free_port_block, wait_for
@@ -73,3 +77,33 @@ def test_a_restarted_replica_gets_a_new_call(one_replica, bg: LoopThread) -> Non
     servers.append(server)
     assert text_of(client, "after") == "after@r0-again"
     assert fresh.multiplexed_calls == 1
+
+
+def test_a_stream_whose_runner_crashes_fails_alone_with_internal() -> None:
+    """``serve_multiplexed`` unit: a runner that raises something other than a status ends its own
+    stream with INTERNAL; the stream beside it completes."""
+
+    async def runner(request: pb.GenerateRequest, emit) -> None:
+        if request.request_id == b"crash":
+            raise KeyError("a bug")
+        emit(pb.Completion(generated_text="ok"))
+
+    class Context:
+        def __init__(self) -> None:
+            self.events: list[pb.StreamEvent] = []
+
+        async def write(self, message: pb.MultiplexedEvents) -> None:
+            self.events.extend(message.events)
+
+    async def requests():
+        yield pb.MultiplexedRequest(stream_id=1, start=pb.GenerateRequest(request_id=b"crash"))
+        yield pb.MultiplexedRequest(stream_id=2, start=pb.GenerateRequest(request_id=b"fine"))
+
+    context = Context()
+    asyncio.run(asyncio.wait_for(serve_multiplexed(runner, requests(), context), 5))
+    by_stream: dict[int, list[str]] = {}
+    for event in context.events:
+        by_stream.setdefault(event.stream_id, []).append(event.WhichOneof("kind"))
+    assert by_stream == {1: ["error"], 2: ["chunk", "done"]}
+    error = remote_error(next(e.error for e in context.events if e.stream_id == 1))
+    assert error.code() is grpc.StatusCode.INTERNAL and "KeyError" in error.details()

@@ -157,3 +157,27 @@ def test_a_relay_to_a_closed_loop_drops_updates_quietly() -> None:
     relay.push(lambda: None)
     relay.flush()  # the replica is shutting down: nobody reads, nothing raises
     assert relay._pending == []
+
+
+def test_forward_takes_every_update_in_order_and_the_rpc_settles_on_the_last_final() -> None:
+    async def main() -> None:
+        relay = UpdateRelay(asyncio.get_running_loop())
+        got: list[tuple[int, str]] = []
+        reqs = RpcRequests(
+            2, stream=True, relay=relay, abort=lambda uid: None,
+            forward=lambda i, u: got.append((i, u.response.generated_text)),
+        )  # fmt: skip
+        s0, s1 = reqs.sink(0), reqs.sink(1)
+
+        def one_step_then_another() -> None:
+            s0(RequestUpdate(100, chunk("a", 1)))
+            s1(RequestUpdate(101, chunk("b", 1, FinishReason.STOP)))
+            relay.flush()
+            s0(RequestUpdate(100, chunk("c", 2, FinishReason.LENGTH)))
+            relay.flush()
+
+        on_batching_thread(one_step_then_another)
+        await asyncio.wait_for(reqs.settled(), 5)
+        assert got == [(0, "a"), (1, "b"), (0, "c")]  # one by one, none merged, none queued
+
+    asyncio.run(main())
