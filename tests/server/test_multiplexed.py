@@ -10,12 +10,15 @@ import grpc
 import pytest
 
 from mii_server.errors import CapacityExceeded, InvalidRequest
+from mii_server.serving import grpc_common
 from mii_server.serving.frontends.client import Client
 from mii_server.serving.frontends.loop_thread import LoopThread
 from mii_server.serving.multiplexed import remote_error, serve_multiplexed
+from mii_server.serving.security import ApiKeys, GrpcSecurity
 from mii_server.wire import generation_pb2 as pb
+from mii_server.wire import generation_pb2_grpc
 
-from .fakes import start_balancer, start_fake
+from .fakes import ADMIN_TOKEN, start_balancer, start_fake
 from .helpers import free_port_block, wait_for
 
 
@@ -107,3 +110,24 @@ def test_a_stream_whose_runner_crashes_fails_alone_with_internal() -> None:
     assert by_stream == {1: ["error"], 2: ["chunk", "done"]}
     error = remote_error(next(e.error for e in context.events if e.stream_id == 1))
     assert error.code() is grpc.StatusCode.INTERNAL and "KeyError" in error.details()
+
+
+def test_a_multiplexed_call_without_the_key_is_refused(bg: LoopThread) -> None:
+    port = free_port_block(1)
+    _, server = bg.run(start_fake("r0", port, security=GrpcSecurity(ApiKeys(["sesame"]), ADMIN_TOKEN)))
+
+    async def call_without_key() -> grpc.StatusCode:
+        async with grpc_common.aio_channel(f"127.0.0.1:{port}") as channel:
+            call = generation_pb2_grpc.GenerationStub(channel).GenerateMultiplexed()
+            await call.write(pb.MultiplexedRequest(stream_id=1, start=pb.GenerateRequest()))
+            try:
+                async for _ in call:
+                    pass
+            except grpc.RpcError as err:
+                return err.code()
+            return grpc.StatusCode.OK
+
+    try:
+        assert bg.run(call_without_key()) is grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        bg.run(server.stop(0))
