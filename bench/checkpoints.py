@@ -85,8 +85,6 @@ def write_random_checkpoint(out: Path, cfg: Any, tensors: dict[str, tuple[int, .
     """Random bf16 ``tensors`` (name -> shape; 1-d ones are norms, set to 1) as sharded safetensors,
     with ``cfg`` and a word-level tokenizer over its vocabulary; reused when already written."""
     from safetensors.torch import save_file
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     if (out / "model.safetensors.index.json").exists():
         return out
@@ -110,15 +108,18 @@ def write_random_checkpoint(out: Path, cfg: Any, tensors: dict[str, tuple[int, .
         del part
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     cfg.save_pretrained(str(out))
-    vocab = {f"t{i} ": i for i in range(cfg.vocab_size)}
+    word_level_tokenizer(cfg.vocab_size).save_pretrained(str(out))
+    return out
+
+
+def word_level_tokenizer(vocab_size: int) -> Any:
+    """The checkpoints' tokenizer: "t0 " ... "t{V-1} ", one word one id (``word_text``)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i} ": i for i in range(vocab_size)}
     words = Tokenizer(models.WordLevel(vocab, unk_token="t0 "))
     words.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")  # "t5 t9 " -> "t5 ", "t9 "
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=words,
-        bos_token="t0 ",
-        eos_token="t1 ",
-        pad_token="t2 ",
-        unk_token="t0 ",
+    return PreTrainedTokenizerFast(
+        tokenizer_object=words, bos_token="t0 ", eos_token="t1 ", pad_token="t2 ", unk_token="t0 "
     )
-    tok.save_pretrained(str(out))
-    return out

@@ -8,7 +8,8 @@ Two kernels share one tile step (online softmax in fp32, exp2 domain):
   ``cu_q_lens`` (no host sync), in the q-block numbering ``cu_q_lens[s] // BLOCK_Q + s``. On Hopper
   (TMA) a K/V tile lies in one cache block and arrives by one bulk copy from a tensor descriptor.
 - ``_decode_kernel`` (batches with ``max_q_len == 1``) is split-K flash decoding: a program owns one
-  (sequence, KV head, context split), its GROUP query heads padded to 16 rows for ``tl.dot``. The
+  (sequence, KV head, context split), its GROUP query heads padded to 16 rows for ``tl.dot``; on
+  Hopper its K/V tiles arrive by bulk copy too. The
   last split of a (sequence, KV head) to finish merges the splits' partial softmax states (an
   arrival counter per pair); where a group's partials are too many for one program,
   ``_decode_reduce_kernel`` merges them in a second launch.
@@ -65,7 +66,7 @@ def _product_query(q, FP16_PRODUCTS: tl.constexpr):
 
     FP16_PRODUCTS (a bf16 q over an fp8 cache): the products run in fp16, because fp8 widens to
     fp16 in one conversion instruction per pair and to bf16 in four, which left the decode kernel
-    bound by conversions at ~40% of HBM bandwidth. fp16 holds every fp8 value and every bf16 one
+    bound by conversions at 33-41% of HBM bandwidth (docs/BENCHMARKS.md). fp16 holds every fp8 value and every bf16 one
     below 2^16 exactly (to 2^-14), and p in [0, 1] more finely than bf16. A row with an element at
     or above 2^15 is first divided by a power of two (exact); its logits get it back."""
     if FP16_PRODUCTS:
@@ -86,11 +87,11 @@ def _attend_tile(
     MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_PREC: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, TMA: tl.constexpr = False, q_unscale=None,
-    RESCALED: tl.constexpr = False,
+    FP16_PRODUCTS: tl.constexpr = False,
 ):  # fmt: skip
     """One online-softmax step of q [M, D] against BLOCK_N cached keys from ``tile_start``. Keys and
     values are read in q's dtype (an fp8 cache is widened; a cache in q's dtype is unchanged).
-    RESCALED: q comes from ``_product_query``, and each row's logits are multiplied by ``q_unscale``.
+    FP16_PRODUCTS: q comes from ``_product_query``; each row's logits are multiplied by ``q_unscale``.
 
     SLIDING: keys at or before ``q_pos - window`` are masked too (MASKED tiles only). SOFTCAP: the
     scaled logits s become cap * tanh(s / cap), with ``cap_in`` = scale / cap, ``cap_out`` = cap / scale.
@@ -122,7 +123,7 @@ def _attend_tile(
             D_PAD,
         ).to(q.dtype)  # [N, D]
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [M, N], unscaled
-    if RESCALED:
+    if FP16_PRODUCTS:
         qk = qk * q_unscale[:, None]
     if SOFTCAP:  # kept in unscaled units, so the lines below are shared
         qk = cap_out * _tanh(qk * cap_in)
@@ -451,8 +452,9 @@ def paged_decode_attention(
     """Split-K decode attention for batches of at most one new token per sequence.
 
     ``tma`` (default: where ``tma_supported``, on Hopper): K/V tiles arrive by bulk copies. Measured
-    on an H200 at 256 x 640 and 64 x 2,048: an fp8 cache's kernel went from 46% and 37% of HBM
-    bandwidth to 58%; a bf16 cache's from 93.4% to 94.7% and 93.0% to 93.7%.
+    on an H200 at 256 x 640 and 64 x 2,048 (docs/BENCHMARKS.md, "Decode attention over an fp8 KV
+    cache"): an fp8 cache's kernel went from 46% and 37% of HBM bandwidth to 58%; a bf16 cache's
+    from 93.4% to 94.7% and 93.0% to 93.7%.
 
     ``merge_in_kernel`` (default: when one group's partial states fit ``MERGE_IN_KERNEL_MAX_ELEMENTS``):
     the splits are merged by the last of them to finish, not by a second launch. ``out``: where to

@@ -132,8 +132,7 @@ class GenerationLoop:
     ) -> list[Request]:
         """``prepare`` for several prompts, each with its sink; raises InvalidRequest for the first bad
         one. Their texts are tokenised in one batch: a fast tokenizer encodes a batch on every core,
-        where one prompt at a time would take one (256 prompts of 512 tokens: 0.21 s one by one,
-        0.10 s as a batch on 2 cores)."""
+        where one prompt at a time would take one (1.6-2.0x on 2 cores, bench/tokenize_batch_bench.py)."""
         for prompt in prompts:
             if isinstance(prompt, str) and len(prompt) > self.context_length * MAX_CHARS_PER_TOKEN:
                 # why before tokenising: a 10 MB prompt takes seconds to tokenise and can never fit

@@ -8,10 +8,9 @@ engine step reach the event loop together, so they leave as one message.
 
 - ``serve_multiplexed`` is the replica's end. Each stream is run by a ``StreamRunner``: the
   replica's hands the engine's updates for the stream to the outbox as the event loop receives them
-  (``ReplicaServicer._multiplexed_stream``; the admission, errors and abort-on-exit of GenerateStream),
-  and ``stream_runner`` makes one of any servicer's GenerateStream. The stream's chunks, its end
-  (``done``) or its failure (``error``: the status GenerateStream would have ended with) go to a
-  shared outbox that is sent whenever the event loop gets to it.
+  (``ReplicaServicer._multiplexed_stream``; the admission, errors and abort-on-exit of GenerateStream).
+  The stream's chunks, its end (``done``) or its failure (``error``: the status GenerateStream would
+  have ended with) go to a shared outbox that is sent whenever the event loop gets to it.
 - ``MultiplexedChannel`` is the load balancer's end for one replica: the call is opened by the first
   stream and opened again by the next stream after it fails. When it fails, every stream on it fails
   with the call's status (a replica that died or restarted: UNAVAILABLE, retried elsewhere by the
@@ -25,12 +24,12 @@ import contextlib
 import itertools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 
 from ..wire import generation_pb2 as pb
-from .status import ERROR_METADATA_KEY, RemoteError, rpc_status
+from .status import RemoteError, rpc_status
 
 log = logging.getLogger(__name__)
 
@@ -39,29 +38,6 @@ Emit = Callable[[pb.Completion], None]
 # Runs one stream: hands its chunks to the Emit as they come, returns when it has ended, raises a
 # grpc.RpcError (``RemoteError``) with the status it failed with; cancelled when the caller leaves.
 StreamRunner = Callable[[pb.GenerateRequest, Emit], Awaitable[None]]
-# A servicer's GenerateStream: (request, context) -> its completions.
-StreamMethod = Callable[[pb.GenerateRequest, Any], AsyncIterator[pb.Completion]]
-
-
-class _StreamContext:
-    """What GenerateStream uses of its ServicerContext, for one multiplexed stream: ``abort`` ends the
-    stream (not the call) with that status."""
-
-    async def abort(
-        self, code: grpc.StatusCode, details: str = "", trailing_metadata: tuple[tuple[str, str], ...] = ()
-    ) -> NoReturn:
-        name = next((value for key, value in trailing_metadata if key == ERROR_METADATA_KEY), None)
-        raise RemoteError(code, details, name)
-
-
-def stream_runner(generate_stream: StreamMethod) -> StreamRunner:
-    """A servicer's GenerateStream as a ``StreamRunner``: its chunks emitted, its abort raised."""
-
-    async def run(request: pb.GenerateRequest, emit: Emit) -> None:
-        async for chunk in generate_stream(request, _StreamContext()):
-            emit(chunk)
-
-    return run
 
 
 async def serve_multiplexed(
@@ -83,7 +59,7 @@ async def serve_multiplexed(
         try:
             await run_stream(request, lambda chunk: emit(pb.StreamEvent(stream_id=stream_id, chunk=chunk)))
             emit(pb.StreamEvent(stream_id=stream_id, done=True))
-        except grpc.RpcError as err:  # the stream's status: RemoteError from _StreamContext.abort
+        except grpc.RpcError as err:  # the stream's status (RemoteError)
             emit(pb.StreamEvent(stream_id=stream_id, error=stream_error(err)))
         except Exception as exc:  # as grpc reports a servicer that raised: INTERNAL
             log.exception("multiplexed stream %d failed", stream_id)

@@ -11,10 +11,10 @@ import grpc
 from mii_server.errors import CapacityExceeded, InvalidRequest
 from mii_server.generation.response import FinishReason, Response
 from mii_server.serving import grpc_common
-from mii_server.serving.multiplexed import serve_multiplexed, stream_runner
+from mii_server.serving.multiplexed import Emit, StreamRunner, serve_multiplexed
 from mii_server.serving.routing.load_balancer import LoadBalancer
 from mii_server.serving.security import ApiKeys, GrpcSecurity
-from mii_server.serving.status import abort_rpc
+from mii_server.serving.status import ERROR_METADATA_KEY, RemoteError, abort_rpc
 from mii_server.wire import convert, generation_pb2_grpc
 from mii_server.wire import generation_pb2 as pb
 
@@ -87,6 +87,25 @@ class FakeReplica(generation_pb2_grpc.GenerationServicer):
     async def Terminate(self, request, context):
         self.terminated.set()
         return pb.TerminateReply()
+
+
+class _StreamContext:
+    """What GenerateStream uses of its ServicerContext, for one multiplexed stream: ``abort`` ends the
+    stream (not the call) with that status."""
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
+        name = next((value for key, value in trailing_metadata if key == ERROR_METADATA_KEY), None)
+        raise RemoteError(code, details, name)
+
+
+def stream_runner(generate_stream) -> StreamRunner:
+    """A servicer's GenerateStream as a multiplexed stream's runner: its chunks emitted, its abort raised."""
+
+    async def run(request: pb.GenerateRequest, emit: Emit) -> None:
+        async for chunk in generate_stream(request, _StreamContext()):
+            emit(chunk)
+
+    return run
 
 
 async def start_fake(
