@@ -398,11 +398,16 @@ def bench_blas_libraries(rows_list: tuple[int, ...] = (1, 256, 8192)) -> list[di
     return out
 
 
-def _gemm_tiles(fp8: bool) -> list[tuple[int, int, int, int, int]]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) tried at few rows; fp8 reads half the bytes per K."""
+def _gemm_tiles(fp8: bool, rows: int) -> list[tuple[int, int, int, int, int]]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) tried at few rows; fp8 reads half the bytes per K.
+    fp8 at one row also tries the CUDA-core kernel's tiles (BLOCK_M 1: weight rows per program, K step,
+    warps; no stages)."""
     ks = (256, 512, 1024) if fp8 else (128, 256, 512)
     tiles = [(16, bn, bk, 4, s) for bn in (16, 32, 64) for bk in ks for s in (3, 5)]
-    return tiles + [(16, 32, ks[1], 8, 4), (16, 64, ks[1], 8, 3), (16, 128, ks[0], 8, 3)]
+    tiles += [(16, 32, ks[1], 8, 4), (16, 64, ks[1], 8, 3), (16, 128, ks[0], 8, 3)]
+    if fp8 and rows == 1:
+        tiles += [(1, bn, bk, warps, 1) for bn in (4, 8, 16) for bk in (512, 1024, 2048) for warps in (4, 8)]
+    return tiles
 
 
 def _graph_us(fn, copies: int) -> float:
@@ -411,13 +416,13 @@ def _graph_us(fn, copies: int) -> float:
 
 
 def _sweep_gemm(
-    label: str, run, weights: list[torch.Tensor], floor_us: float, fp8: bool, sweep: bool
+    label: str, run, weights: list[torch.Tensor], floor_us: float, fp8: bool, sweep: bool, m: int
 ) -> list[dict]:  # fmt: skip
-    """Time ``run(weight, tiles)`` with the default tiles and (``sweep``) every other configuration,
-    each checked against the default's output."""
+    """Time ``run(weight, tiles)`` at ``m`` rows with the default tiles and (``sweep``) every other
+    configuration, each checked against the default's output."""
     expected = run(weights[0], None)
     rows = []
-    for tiles in [None, *(_gemm_tiles(fp8) if sweep else [])]:
+    for tiles in [None, *(_gemm_tiles(fp8, m) if sweep else [])]:
         try:
             torch.testing.assert_close(run(weights[0], tiles), expected, atol=1e-2, rtol=1e-2)
             us = _graph_us(lambda tiles=tiles: [run(w, tiles) for w in weights], len(weights))
@@ -459,14 +464,14 @@ def bench_decode_gemms(rows_list: tuple[int, ...], sweep: bool) -> list[dict]:
             out.append(_report(f"gemm_{name}_m{m}_cublas_bf16", cublas_us / 1e3, us=cublas_us,
                                frac_floor=floor_us / cublas_us))  # fmt: skip
             bf16_run = functools.partial(_weight_only, x, scale) if sweep else functools.partial(_dense, x)
-            out += _sweep_gemm(f"gemm_{name}_m{m}_bf16", bf16_run, bf16, floor_us, False, sweep)
+            out += _sweep_gemm(f"gemm_{name}_m{m}_bf16", bf16_run, bf16, floor_us, False, sweep, m)
             out += _sweep_gemm(
                 f"gemm_{name}_m{m}_int8", functools.partial(_weight_only, x, scale), weights["int8"],
-                floor_us / 2, False, sweep,
+                floor_us / 2, False, sweep, m,
             )  # fmt: skip
             out += _sweep_gemm(
                 f"gemm_{name}_m{m}_fp8", functools.partial(_fp8, q, x_scale, scale), weights["fp8"],
-                floor_us / 2, True, sweep,
+                floor_us / 2, True, sweep, m,
             )  # fmt: skip
     return out
 

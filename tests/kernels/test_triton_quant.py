@@ -148,6 +148,26 @@ def test_fp8_triton_gemm(groups: int, rows: int, dtype: torch.dtype) -> None:
     torch.testing.assert_close(got, reference_quant.fp8_linear(x, weight, scale, bias), **TOL[dtype])
 
 
+@needs_triton
+@pytest.mark.skipif(ON_GPU and not FP8_DEVICE, reason="no fp8 tensor cores")
+@pytest.mark.parametrize("groups", [1, 4])
+@pytest.mark.parametrize("sum_each_step", [False, True])
+def test_fp8_one_row_kernel_at_ragged_edges(groups: int, sum_each_step: bool, monkeypatch) -> None:
+    """The one-row CUDA-core kernel where N is no multiple of its 8 rows and K none of its K step, in
+    both of its accumulations (summed each step, or once after the loop)."""
+    from mii_server.kernels import triton_fp8
+
+    monkeypatch.setattr(triton_fp8, "_num_sms", lambda device: 1 if sum_each_step else 1 << 20)
+    n, k = (45, 1100) if groups == 1 else (45, 512)  # group-wise: a scale per 128 columns
+    weight, scale = _fp8_case(n, k, groups)
+    x = torch.randn(1, k, device=DEVICE).to(DTYPES[0])
+    bias = torch.randn(n, device=DEVICE).to(DTYPES[0])
+    q, x_scale = reference_quant.quantize_fp8_per_token(x)
+    assert triton_fp8._tiles(1, n, k, 1)[0] == 1, "one row takes the CUDA-core kernel"
+    got = triton_fp8.fp8_gemm_triton(q, x_scale, weight, scale, bias, DTYPES[0])
+    torch.testing.assert_close(got, reference_quant.fp8_linear(x, weight, scale, bias), **TOL[DTYPES[0]])
+
+
 @pytest.mark.skipif(ON_GPU and not FP8_DEVICE, reason="no fp8 tensor cores")
 @pytest.mark.parametrize("rows", ROWS)
 def test_fp8_scaled_mm_gemm(rows: int) -> None:
