@@ -159,9 +159,9 @@ def _tiles(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, int]:
 
     One row: BLOCK_M 1 means ``_fp8_gemv_kernel``, 8 weight rows by 1,024 columns a step per program
     of 4 warps (the stages are unused: its loads are not pipelined, its programs are many). At one row
-    on an H200, CUDA-graph replay over 8 weight copies, against the tensor-core tiles above (scratch
-    sweep of 144 shapes, docs/BENCHMARKS.md 2026-12-05): qkv 9.2 us against 10.6, o_proj 6.4 against
-    8.4, gate_up 32.8 against 36.9, down 18.4 against 20.5."""
+    on an H200, CUDA-graph replay over 8 weight copies, these tiles against the tensor-core ones above:
+    o_proj 6.31 us against 8.56, gate_up 31.84 against 37.32, down 16.86 against 20.65; the best of
+    35 shapes was within 0.45 us of them on each (docs/BENCHMARKS.md 2026-12-05)."""
     if m == 1:
         return 1, 8, min(1024, triton.next_power_of_2(k)), 4, 1
     if m <= 16:
