@@ -36,25 +36,6 @@ log = logging.getLogger(__name__)
 MAX_CHARS_PER_TOKEN = 64
 
 
-class _HostCopy:
-    """Sampled ids on their way to the host: the copy is queued behind the forward and waited for
-    only when the ids are needed."""
-
-    def __init__(self, ids: torch.Tensor) -> None:
-        if ids.device.type == "cuda":
-            self._host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-            self._host.copy_(ids, non_blocking=True)
-            self._ready: torch.cuda.Event | None = torch.cuda.Event()
-            self._ready.record()
-        else:
-            self._host, self._ready = ids, None
-
-    def wait(self) -> list[int]:
-        if self._ready is not None:
-            self._ready.synchronize()
-        return self._host.tolist()
-
-
 @dataclass
 class _SampledStep:
     """A launched step that sampled ``requests`` (in row order); their ids arrive through
