@@ -400,13 +400,13 @@ def bench_blas_libraries(rows_list: tuple[int, ...] = (1, 256, 8192)) -> list[di
 
 def _gemm_tiles(fp8: bool, rows: int) -> list[tuple[int, int, int, int, int]]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) tried at few rows; fp8 reads half the bytes per K.
-    fp8 at one row also tries the CUDA-core kernel's tiles (BLOCK_M 1: weight rows per program, K step,
-    warps; no stages)."""
+    One row also tries ``triton_one_row``'s tiles (BLOCK_M 1: weight rows per program, K step, warps;
+    no stages)."""
     ks = (256, 512, 1024) if fp8 else (128, 256, 512)
     tiles = [(16, bn, bk, 4, s) for bn in (16, 32, 64) for bk in ks for s in (3, 5)]
     tiles += [(16, 32, ks[1], 8, 4), (16, 64, ks[1], 8, 3), (16, 128, ks[0], 8, 3)]
-    if fp8 and rows == 1:
-        tiles += [(1, bn, bk, warps, 1) for bn in (4, 8, 16) for bk in (512, 1024, 2048) for warps in (4, 8)]
+    if rows == 1:
+        tiles += [(1, bn, bk, warps, 1) for bn in (4, 8, 16, 32) for bk in (512, 1024, 2048) for warps in (4, 8)]
     return tiles
 
 
@@ -486,6 +486,8 @@ QKV_ROTARY_TILES = [
 FP8_QKV_ROTARY_TILES = [
     (16, bn, bk, 4, stages) for bn in (16, 32, 64) for bk in (256, 512, 1024) for stages in (2, 3, 4)
 ]
+# one row: triton_one_row's loop (BLOCK_M 1) over BLOCK_N rows of each of the two row ranges paired
+ONE_ROW_PAIR_TILES = [(1, bn, bk, warps, 1) for bn in (4, 8, 16) for bk in (512, 1024, 2048) for warps in (4, 8)]
 
 
 def _each_weight_us(fn, weights: list[torch.Tensor]) -> float:
@@ -501,9 +503,12 @@ def _sweep_fused(
     name: str, m: int, n_k: tuple[int, int], unfused, fused, tiles_list: list,
     weight_dtype: torch.dtype = torch.bfloat16,
 ) -> dict:  # fmt: skip
-    """``fused(x, weight, tiles)`` with its default tiles and each of ``tiles_list`` against
-    ``unfused(x, weight)`` (each checked against it first), CUDA-graph replay over 8 weight copies."""
+    """``fused(x, weight, tiles)`` with its default tiles and each of ``tiles_list`` (at one row, the
+    one-row loop's too) against ``unfused(x, weight)`` (each checked against it first), CUDA-graph
+    replay over 8 weight copies."""
     n, k = n_k
+    if tiles_list and m == 1:
+        tiles_list = [*tiles_list, *ONE_ROW_PAIR_TILES]
     weights = [(torch.randn(n, k, device="cuda") / k**0.5).to(weight_dtype) for _ in range(8)]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     unfused_us = _each_weight_us(functools.partial(unfused, x), weights)

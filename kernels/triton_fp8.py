@@ -8,7 +8,7 @@ token: absmax pass, then the scaled cast). The product runs either
 - ``triton``: ``_fp8_gemm_kernel``, fp8 x fp8 -> fp32 on the tensor cores, scales applied in the
   epilogue; it also takes group-wise weight scales (HF fine-grained fp8: a scale per 128 x 128
   block, expanded to one per row and 128 columns), applied to each K step's partial product. At one
-  row, ``_fp8_gemv_kernel`` instead: the same product on the CUDA cores (see ``_tiles``).
+  row, ``triton_one_row`` instead: the same product on the CUDA cores (see ``_tiles``).
 
 ``gemm="auto"`` uses the Triton kernel for few rows (decode at small batch) and ``scaled_mm`` for many,
 where it applies (see ``fp8_linear``). Both need
@@ -24,6 +24,7 @@ import triton.language as tl
 from .pdl import pdl_launch, pdl_prefetch_rows, pdl_prologue, prefetch_lines
 from .reference_quant import FP8_MAX, FP8_SCALE_FLOOR, Fp8Rows
 from .triton_attention import _num_sms
+from .triton_one_row import one_row_linear, one_row_tiles
 from .triton_pointwise import to_fp8
 from .triton_quant import gemm_tile, store_gemm_tile
 
@@ -103,50 +104,6 @@ def _fp8_gemm_kernel(
     store_gemm_tile(acc, out_ptr, bias_ptr, rm, rn, m_ok, n_ok, stride_om, HAS_BIAS)
 
 
-@triton.jit
-def _fp8_gemv_kernel(
-    q_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, N, K, stride_wn, stride_ws,
-    GROUP_K: tl.constexpr, PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REDUCE_EACH_STEP: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """One row: out[0, rn] = sum_k q[k] w[rn, k], each product in fp32 on the CUDA cores (exact for
-    two fp8 values) and summed in fp32. No MMA: at one row a tensor-core tile computes 16 rows of which
-    15 are padding, and the narrow tiles it needs keep fewer bytes in flight than this loop does."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
-    # the last tile's spare rows read a real row, and their results are not stored
-    rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_wn
-    pdl_prefetch_rows(rows, PREFETCH_LINES, PDL)
-    pdl_prologue(PDL)
-    rk = tl.arange(0, BLOCK_K)
-    if REDUCE_EACH_STEP or PER_GROUP:
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    else:  # summed over K once, after the loop: fewer shuffles, more registers
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + rk
-        if EVEN_K:
-            x = tl.load(q_ptr + k)
-            w = tl.load(rows[:, None] + k[None, :])
-        else:
-            x = tl.load(q_ptr + k, mask=k < K, other=0.0)
-            w = tl.load(rows[:, None] + k[None, :], mask=(k < K)[None, :], other=0.0)
-        products = w.to(tl.float32) * x.to(tl.float32)[None, :]
-        if PER_GROUP:  # BLOCK_K divides GROUP_K: one weight scale per output row in this step
-            acc += tl.sum(products, 1) * tl.load(w_scale_ptr + rn * stride_ws + k0 // GROUP_K, mask=n_ok, other=0.0)
-        elif REDUCE_EACH_STEP:
-            acc += tl.sum(products, 1)
-        else:
-            acc += products
-    y = acc if REDUCE_EACH_STEP or PER_GROUP else tl.sum(acc, 1)
-    if not PER_GROUP:
-        y = y * tl.load(w_scale_ptr + rn * stride_ws, mask=n_ok, other=0.0)
-    y = y * tl.load(x_scale_ptr)
-    row = tl.zeros([1], dtype=tl.int64)
-    store_gemm_tile(y[None, :], out_ptr, bias_ptr, row, rn, row == 0, n_ok, 0, HAS_BIAS)
-
-
 def _tiles(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): narrow N tiles for few rows (weight-bound: many
     programs reading), square tiles for many (compute-bound).
@@ -157,13 +114,13 @@ def _tiles(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, int]:
     (``bench/kernels_bench.py --sweep gemm``): 70 us per layer against 86 with one 32 x 256 tile for
     all (docs/BENCHMARKS.md).
 
-    One row: BLOCK_M 1 means ``_fp8_gemv_kernel``, 8 weight rows by 1,024 columns a step per program
-    of 4 warps (the stages are unused: its loads are not pipelined, its programs are many). At one row
-    on an H200, CUDA-graph replay over 8 weight copies, these tiles against the tensor-core ones above:
-    o_proj 6.31 us against 8.56, gate_up 31.84 against 37.32, down 16.86 against 20.65; the best of
-    35 shapes was within 0.45 us of them on each (docs/BENCHMARKS.md 2026-12-05)."""
+    One row: BLOCK_M 1 means ``triton_one_row``'s kernel with its tiles (BLOCK_N, BLOCK_K, warps; the
+    stages are unused). At one row on an H200, CUDA-graph replay over 8 weight copies, its tiles
+    against the tensor-core ones above: o_proj 6.31 us against 8.56, gate_up 31.84 against 37.32,
+    down 16.86 against 20.65; the best of 35 shapes was within 0.45 us of them on each
+    (docs/BENCHMARKS.md 2026-12-05)."""
     if m == 1:
-        return 1, 8, min(1024, triton.next_power_of_2(k)), 4, 1
+        return 1, *one_row_tiles(k, 1), 1
     if m <= 16:
         if triton.cdiv(n, 32) >= 4 * sms:
             return 16, 32, 256, 4, 3
@@ -181,27 +138,18 @@ def fp8_gemm_triton(
     ``tiles``: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) instead of ``_tiles``' choice (benchmarks)."""
     m, k = q.shape
     n, groups = scale.shape
+    bm, bn, bk, warps, stages = tiles or _tiles(m, n, k, _num_sms(q.device))
+    if bm == 1 and m == 1:
+        return one_row_linear(q, weight, scale, bias, x_scale, out_dtype, (bn, bk, warps))
     out = torch.empty((m, n), dtype=out_dtype, device=q.device)
     if m == 0:
         return out
-    sms = _num_sms(q.device)
-    bm, bn, bk, warps, stages = tiles or _tiles(m, n, k, sms)
+    assert bm > 1, "the one-row kernel takes one row"
     group_k = -(-k // groups)
     if groups > 1:
         bk = min(bk, group_k)
         assert group_k % bk == 0, "fp8 weight scale groups must be a multiple of 16 columns"
     prefetch = prefetch_lines(k, PREFETCH_K_TILES * bk) if m <= TRITON_MAX_ROWS else 0
-    if bm == 1:
-        assert m == 1, "the one-row kernel takes one row"
-        # why: summing each step's products keeps few registers, so more of a wide grid's programs
-        # are resident; a narrow grid has few programs per SM anyway and sums once, after the loop
-        _fp8_gemv_kernel[(triton.cdiv(n, bn),)](
-            q, x_scale, weight, scale, bias if bias is not None else scale, out, n, k, weight.stride(0),
-            scale.stride(0), GROUP_K=group_k, PER_GROUP=groups > 1, HAS_BIAS=bias is not None,
-            EVEN_K=k % bk == 0, BLOCK_N=bn, BLOCK_K=bk, REDUCE_EACH_STEP=triton.cdiv(n, bn) >= 4 * sms,
-            PREFETCH_LINES=prefetch, num_warps=warps, num_stages=stages, **pdl_launch(q.device),
-        )  # fmt: skip
-        return out
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
     _fp8_gemm_kernel[grid](
         q, x_scale, weight, scale, bias if bias is not None else scale, out,

@@ -25,8 +25,9 @@ import triton.language as tl
 from .pdl import pdl_launch, pdl_prefetch_rows, pdl_release, pdl_wait, prefetch_lines
 from .reference import split_qkv
 from .reference_quant import Fp8Rows
-from .triton_attention import _dot_precision
+from .triton_attention import _dot_precision, _num_sms
 from .triton_fp8 import FP8_MMA_K, PREFETCH_K_TILES, TRITON_MAX_ROWS, fp8_linear, quantize_fp8_per_token
+from .triton_one_row import one_row_tiles, row_sums
 from .triton_pointwise import act_and_mul_values, gelu_tanh_and_mul, rotary_kv_append, silu_and_mul
 from .triton_quant import few_row_product, fit_k_step, gemm_tile
 
@@ -76,6 +77,35 @@ def _linear_act_and_mul_kernel(
     tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], y.to(dtype), mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _one_row_act_and_mul_kernel(
+    x_ptr, w_ptr, out_ptr, I, K, stride_wn, GELU_TANH: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REDUCE_EACH_STEP: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """One row (``triton_one_row``'s loop): a program owns BLOCK_N gate rows and the matching up rows,
+    read as one tile of interleaved rows; the activation is formed from the two sums."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < I
+    gate_rows = tl.minimum(rn, I - 1).to(tl.int64)  # the last tile's spare rows read a real row
+    rows = w_ptr + tl.join(gate_rows, gate_rows + I).reshape(2 * BLOCK_N) * stride_wn
+    pdl_wait(PDL)
+    sums = row_sums(x_ptr, rows, rows, K, 1, False, EVEN_K, BLOCK_K, REDUCE_EACH_STEP)
+    pdl_release(PDL)  # why after the loop: see pdl.py
+    gate, up = tl.split(sums.reshape(BLOCK_N, 2))
+    dtype = x_ptr.dtype.element_ty
+    # why the casts: the unfused product stores gate and up in the input dtype before the activation
+    y = act_and_mul_values(gate.to(dtype), up.to(dtype), GELU_TANH)
+    tl.store(out_ptr + rn, y.to(dtype), mask=n_ok)
+
+
+def one_row_pair_tiles(k: int, element_size: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) at one row: BLOCK_M 1 for ``triton_one_row``'s loop
+    over its tile of weight rows, half of them from each of the two row ranges a fused kernel pairs
+    (gate and up; the two halves of a head), BLOCK_N from each."""
+    rows, block_k, warps = one_row_tiles(k, element_size)
+    return 1, rows // 2, block_k, warps, 1
+
+
 def linear_act_and_mul(
     x: torch.Tensor, weight: torch.Tensor, gelu_tanh: bool, tiles: tuple[int, int, int, int, int] | None = None
 ) -> torch.Tensor:
@@ -87,7 +117,16 @@ def linear_act_and_mul(
     m, k = x.shape
     inter = weight.shape[0] // 2
     out = torch.empty((m, inter), dtype=x.dtype, device=x.device)
-    bm, bn, bk, warps, stages = tiles or GATED_TILES
+    bm, bn, bk, warps, stages = tiles or (one_row_pair_tiles(k, x.element_size()) if m == 1 else GATED_TILES)
+    if bm == 1:
+        assert m == 1, "the one-row kernel takes one row"
+        programs = triton.cdiv(inter, bn)
+        _one_row_act_and_mul_kernel[(programs,)](
+            x, weight, out, inter, k, weight.stride(0), GELU_TANH=gelu_tanh, EVEN_K=k % bk == 0, BLOCK_N=bn,
+            BLOCK_K=bk, REDUCE_EACH_STEP=programs >= 4 * _num_sms(x.device), num_warps=warps, num_stages=1,
+            **pdl_launch(x.device),
+        )  # fmt: skip
+        return out
     _linear_act_and_mul_kernel[(triton.cdiv(inter, bn), triton.cdiv(m, bm))](
         x, weight, out, m, inter, k, x.stride(0), weight.stride(0), out.stride(0),
         GELU_TANH=gelu_tanh, DOT_PREC=_dot_precision(x.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
@@ -114,10 +153,16 @@ QKV_ROTARY_TILES = (16, 32, 256, 4, 4)
 
 
 def _qkv_rotary_tiles(
-    tiles: tuple[int, int, int, int, int], element_size: int, half: int
+    tiles: tuple[int, int, int, int, int] | None, default: tuple[int, int, int, int, int], x: torch.Tensor,
+    half: int,
 ) -> tuple[int, int, int, int, int]:
-    """q/k/v tiles fitted to the problem: no wider than half a head, the K step by ``fit_k_step``."""
-    bm, bn, bk, warps, stages = fit_k_step(tiles, element_size)
+    """q/k/v tiles fitted to the problem: at one row (none given) the one-row loop's, else ``default``
+    with the K step by ``fit_k_step``; no wider than half a head."""
+    if tiles is None and x.shape[0] == 1:
+        tiles = one_row_pair_tiles(x.shape[1], x.element_size())
+    elif tiles is None or tiles[0] > 1:
+        tiles = fit_k_step(tiles or default, x.element_size())
+    bm, bn, bk, warps, stages = tiles
     return bm, min(bn, half), bk, warps, stages
 
 
@@ -182,6 +227,58 @@ def _linear_rotary_kv_append_kernel(
     if HAS_BIAS:
         acc_first += tl.load(bias_ptr + head * 2 * HALF + c).to(tl.float32)[None, :]
         acc_second += tl.load(bias_ptr + head * 2 * HALF + HALF + c).to(tl.float32)[None, :]
+    _rotary_kv_store(
+        acc_first, acc_second, rm, m_ok, head, c, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slot_ptr, cos_sin_ptr,
+        stride_qt, stride_qh, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+        stride_cos_sin, NUM_Q_HEADS, NUM_KV_HEADS, HALF, BLOCK_SIZE,
+    )  # fmt: skip
+
+
+@triton.jit
+def _one_row_qkv_rotary_kernel(
+    x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slot_ptr,
+    cos_sin_ptr, K, stride_wn, stride_ws, stride_qt, stride_qh,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_cos_sin,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, FP8: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, REDUCE_EACH_STEP: tl.constexpr, PREFETCH_LINES: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """One row (``triton_one_row``'s loop): a program owns BLOCK_N columns of both halves of one head,
+    read as one tile of interleaved weight rows; then ``_linear_rotary_kv_append_kernel``'s epilogue."""
+    tiles_per_half: tl.constexpr = HALF // BLOCK_N
+    head = tl.program_id(0) // tiles_per_half
+    c = (tl.program_id(0) % tiles_per_half) * BLOCK_N + tl.arange(0, BLOCK_N)  # columns within a half
+    first_rows = (head * 2 * HALF + c).to(tl.int64)
+    rows = w_ptr + tl.join(first_rows, first_rows + HALF).reshape(2 * BLOCK_N) * stride_wn
+    pdl_prefetch_rows(rows, PREFETCH_LINES, PDL)
+    pdl_wait(PDL)
+    sums = row_sums(x_ptr, rows, rows, K, 1, False, EVEN_K, BLOCK_K, REDUCE_EACH_STEP)
+    pdl_release(PDL)  # why after the loop: see pdl.py
+    acc_first, acc_second = tl.split(sums.reshape(BLOCK_N, 2))
+    if FP8:  # the fp8 GEMM's epilogue: the weight's scale of each column, then the row's
+        x_scale = tl.load(x_scale_ptr)
+        acc_first = acc_first * tl.load(w_scale_ptr + first_rows * stride_ws) * x_scale
+        acc_second = acc_second * tl.load(w_scale_ptr + (first_rows + HALF) * stride_ws) * x_scale
+    if HAS_BIAS:
+        acc_first += tl.load(bias_ptr + first_rows).to(tl.float32)
+        acc_second += tl.load(bias_ptr + first_rows + HALF).to(tl.float32)
+    rm = tl.zeros([1], dtype=tl.int64)
+    _rotary_kv_store(
+        acc_first[None, :], acc_second[None, :], rm, rm == 0, head, c, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
+        slot_ptr, cos_sin_ptr, stride_qt, stride_qh, stride_kcb, stride_kcs, stride_kch, stride_vcb,
+        stride_vcs, stride_vch, stride_cos_sin, NUM_Q_HEADS, NUM_KV_HEADS, HALF, BLOCK_SIZE,
+    )  # fmt: skip
+
+
+@triton.jit
+def _rotary_kv_store(
+    acc_first, acc_second, rm, m_ok, head, c, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slot_ptr, cos_sin_ptr,
+    stride_qt, stride_qh, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_cos_sin,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    """The q/k/v kernels' epilogue: float32 products [BM, BN] of columns ``c`` of both halves of
+    ``head`` (scaled, bias added) for rows ``rm``, rounded, rotated (q and k), and stored: q to its
+    output, k and v to their cache slots."""
     dtype = q_ptr.dtype.element_ty
     # why the casts: the unfused product stores q/k/v in the input dtype, and rotary rounds to it again
     first = acc_first.to(dtype)
@@ -230,7 +327,7 @@ def linear_rotary_kv_append(
     q/k/v product rounded where it stores, rotary rounded where it rounds); any other case runs the
     product, then ``rotary_kv_append``. ``tiles``: instead of ``QKV_ROTARY_TILES`` (the tile sweep)."""
     rest = (positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
-    tiles = _qkv_rotary_tiles(tiles or QKV_ROTARY_TILES, x.element_size(), k_cache.shape[3] // 2)
+    tiles = _qkv_rotary_tiles(tiles, QKV_ROTARY_TILES, x, k_cache.shape[3] // 2)
     if not (few_row_product(x, weight) and _rotary_fits(tiles, cos_sin_cache, k_cache, v_cache)):
         return _packed_rotary_kv_append(torch.nn.functional.linear(x, weight, bias), *rest)
     return _launch_qkv_rotary(x, weight, None, None, bias, *rest, tiles, x.dtype)
@@ -263,7 +360,7 @@ def fp8_linear_rotary_kv_append(
     ``FP8_QKV_ROTARY_TILES`` (the tile sweep)."""
     q8, x_scale, dtype = x if isinstance(x, Fp8Rows) else (*quantize_fp8_per_token(x), x.dtype)
     rest = (positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
-    tiles = _qkv_rotary_tiles(tiles or FP8_QKV_ROTARY_TILES, q8.element_size(), k_cache.shape[3] // 2)
+    tiles = _qkv_rotary_tiles(tiles, FP8_QKV_ROTARY_TILES, q8, k_cache.shape[3] // 2)
     rows = q8.shape[0]
     fused = (
         gemm in ("auto", "triton")
@@ -300,7 +397,7 @@ def _rotary_fits(
     return (
         cos_sin_cache.shape[-1] == 2 * half
         and half % bn == 0
-        and bn >= 16  # tl.dot's narrowest tile
+        and (bn >= 16 or tiles[0] == 1)  # tl.dot's narrowest tile (the one-row loop has no dot)
         and k_cache.dtype == v_cache.dtype
         and all(t.stride(-1) == 1 for t in (k_cache, v_cache, cos_sin_cache))
     )
@@ -312,7 +409,8 @@ def _launch_qkv_rotary(
     v_cache: torch.Tensor, slot_mapping: torch.Tensor, tiles: tuple[int, int, int, int, int],
     dtype: torch.dtype,
 ) -> torch.Tensor:  # fmt: skip
-    """One launch of ``_linear_rotary_kv_append_kernel`` (fp8 when given scales); returns q in ``dtype``."""
+    """One launch of ``_linear_rotary_kv_append_kernel`` (``_one_row_qkv_rotary_kernel`` for BLOCK_M 1;
+    fp8 when given scales); returns q in ``dtype``."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     num_q_heads = weight.shape[0] // head_dim - 2 * num_kv_heads
     half = head_dim // 2
@@ -321,12 +419,27 @@ def _launch_qkv_rotary(
     q = torch.empty((m, num_q_heads, head_dim), dtype=dtype, device=x.device)
     fp8 = w_scale is not None
     heads = num_q_heads + 2 * num_kv_heads
+    strides = (
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), cos_sin_cache.stride(0),
+    )  # fmt: skip
+    if bm == 1:
+        assert m == 1, "the one-row kernel takes one row"
+        programs = heads * (half // bn)
+        _one_row_qkv_rotary_kernel[(programs,)](
+            x, weight, x_scale if fp8 else x, w_scale if fp8 else x, bias if bias is not None else x, q,
+            k_cache, v_cache, positions, slot_mapping, cos_sin_cache, k, weight.stride(0),
+            w_scale.stride(0) if fp8 else 0, *strides,
+            NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, BLOCK_SIZE=block_size,
+            HAS_BIAS=bias is not None, FP8=fp8, EVEN_K=k % bk == 0, BLOCK_N=bn, BLOCK_K=bk,
+            REDUCE_EACH_STEP=programs >= 4 * _num_sms(x.device), num_warps=warps, num_stages=1,
+            PREFETCH_LINES=prefetch_lines(k, PREFETCH_K_TILES * bk) if fp8 else 0, **pdl_launch(x.device),
+        )  # fmt: skip
+        return q
     _linear_rotary_kv_append_kernel[(heads * (half // bn), triton.cdiv(m, bm))](
         x, weight, x_scale if fp8 else x, w_scale if fp8 else x, bias if bias is not None else x, q,
         k_cache, v_cache, positions, slot_mapping, cos_sin_cache,
-        m, k, x.stride(0), weight.stride(0), w_scale.stride(0) if fp8 else 0, q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), cos_sin_cache.stride(0),
+        m, k, x.stride(0), weight.stride(0), w_scale.stride(0) if fp8 else 0, *strides,
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, BLOCK_SIZE=block_size,
         HAS_BIAS=bias is not None, FP8=fp8, DOT_PREC=_dot_precision(dtype), PROMOTE_K=min(bk, FP8_MMA_K),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **pdl_launch(x.device),

@@ -4,6 +4,7 @@ Twins of ``reference_quant.int8_linear`` / ``fp6_linear``. A program owns a [BLO
 of the output; each K step loads the quantized weight tile, turns it into the activation dtype in
 registers (int8: a convert; FP6: shifts and a bitcast, see ``fp6_format``), and multiplies on the
 tensor cores with float32 accumulation. The per-output-channel scale is applied once, at the end.
+One row of an int8 or 16-bit weight goes to ``triton_one_row`` instead (the product on the CUDA cores).
 
 Decode steps (a few rows) are bound by reading the weight, which is where 1 or 0.75 bytes a weight
 pays. Large prefill steps are bound by compute: there the weight is dequantized to the activation
@@ -24,6 +25,7 @@ from .fp6_format import FP6_FP16_FACTOR
 from .pdl import pdl_launch, pdl_release, pdl_wait
 from .reference_quant import dequantize_weight
 from .triton_attention import _dot_precision, _num_sms
+from .triton_one_row import one_row_linear, one_row_tiles
 
 # Rows from which a dequantized weight and cuBLAS beat the fused kernel: the dequantization (one read
 # of the quantized weight, one write and one read of the 16-bit copy) costs a few percent of a product
@@ -122,10 +124,13 @@ def _weight_only_gemm_kernel(
     store_gemm_tile(acc, out_ptr, bias_ptr, rm, rn, m_ok, n_ok, stride_om, HAS_BIAS)
 
 
-def _tiles(m: int, fp6: bool) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for an M-row product. Few rows: narrow N tiles so
-    that a weight-bound product has enough programs to keep every SM reading; FP6's BLOCK_K counts
-    bytes of one plane (four times as many columns)."""
+def _tiles(m: int, k: int, element_size: int, fp6: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for an M-row product. One row of an int8 or 16-bit
+    weight: BLOCK_M 1 means ``triton_one_row``'s kernel with its tiles (the stages unused). Few rows:
+    narrow N tiles so that a weight-bound product has enough programs to keep every SM reading; FP6's
+    BLOCK_K counts bytes of one plane (four times as many columns)."""
+    if m == 1 and not fp6:
+        return 1, *one_row_tiles(k, element_size), 1
     if m <= 16:
         return 16, 32, 64 if fp6 else 256, 4, 4
     if m <= 64:
@@ -150,10 +155,13 @@ def weight_only_linear(
         w = weight if scale is None else dequantize_weight(weight, scale, x.dtype)
         return torch.nn.functional.linear(x, w, bias).to(out_dtype)
     assert x.stride(-1) == 1 and weight.stride(-1) == 1, "the last dimension must be contiguous"
-    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0:
-        return out
-    bm, bn, bk, warps, stages = tiles or _tiles(m, fp6)
+        return torch.empty((0, n), dtype=out_dtype, device=x.device)
+    bm, bn, bk, warps, stages = tiles or _tiles(m, k, weight.element_size(), fp6)
+    if bm == 1:
+        assert m == 1 and not fp6, "the one-row kernel takes one row of an int8 or 16-bit weight"
+        return one_row_linear(x, weight, scale, bias, None, out_dtype, (bn, bk, warps))
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
     _weight_only_gemm_kernel[grid](
         x, weight, scale if scale is not None else x, bias if bias is not None else x, out,
@@ -179,12 +187,11 @@ def fp6_linear(
     return weight_only_linear(x, weight, scale, bias, fp6=True)
 
 
-# dense_linear's Triton regime: few rows (a product that only reads its weight) and an output narrow
-# enough that its 32-row weight slices give at most one program per SM, where cuBLAS splits K and
-# adds a reduce launch. One row on an H200 (bench/kernels_bench.py --sweep gemm): o_proj 4096 x 4096
-# 11.7 us against cuBLAS's 13.6, down 4096 x 14336 30.9 against 32.1 (at 16 rows: 11.5 / 14.0 and
-# 31.5 / 33.5, kernels_bench.py --gemm); qkv (with rotary) and gate_up (with its activation) go to
-# triton_fused_linear
+# dense_linear's Triton regime: one row (``triton_one_row``), and 2 to 16 rows (a product that only
+# reads its weight) of an output narrow enough that its 32-row weight slices give at most one program
+# per SM, where cuBLAS splits K and adds a reduce launch. At 16 rows on an H200 (bench/kernels_bench.py
+# --gemm): o_proj 4096 x 4096 11.5 us against cuBLAS's 14.0, down 4096 x 14336 31.5 against 33.5;
+# qkv (with rotary) and gate_up (with its activation) go to triton_fused_linear
 DENSE_MAX_ROWS = 16
 DENSE_TILES = (16, 32, 512, 4, 3)
 
@@ -202,15 +209,21 @@ def few_row_product(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T in x's dtype: see ``reference.dense_linear``."""
-    if not few_row_product(x, weight) or triton.cdiv(weight.shape[0], DENSE_TILES[1]) > _num_sms(x.device):
+    """x [M, K] @ weight [N, K]^T in x's dtype: see ``reference.dense_linear``. One row, whatever N:
+    ``triton_one_row`` (at one row of Llama-3-8B's qkv, 13.81 us against cuBLAS's 15.46)."""
+    if not few_row_product(x, weight):
+        return torch.nn.functional.linear(x, weight)
+    if x.shape[0] == 1:
+        return weight_only_linear(x, weight, None, None, False)
+    if triton.cdiv(weight.shape[0], DENSE_TILES[1]) > _num_sms(x.device):
         return torch.nn.functional.linear(x, weight)
     return weight_only_linear(x, weight, None, None, False, fit_k_step(DENSE_TILES, x.element_size()))
 
 
-# logits_linear's tiles: 128-column slices, many waves of them (the head has ~4,000 at 32k-plus
-# vocabularies). Llama-3-8B's head (128,256 x 4,096) at one row on an H200: 232.5 us against 243.2 for
-# cuBLAS and the float cast (bench/kernels_bench.py --no-attention --logits --sweep logits --gemm-rows 1)
+# logits_linear's tiles from 2 rows: 128-column slices, many waves of them (the head has ~4,000 at
+# 32k-plus vocabularies). One row takes ``triton_one_row``'s: Llama-3-8B's head (128,256 x 4,096) on an
+# H100, 334.3 us against 344.0 for these tiles and 377.8 for cuBLAS and the float cast
+# (bench/kernels_bench.py --no-attention --logits --sweep logits --gemm-rows 1)
 LOGITS_TILES = (16, 128, 128, 4, 3)
 
 
@@ -218,10 +231,11 @@ def logits_linear(
     x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, int, int, int] | None = None
 ) -> torch.Tensor:
     """float32 logits of x [M, K] @ weight [N, K]^T: see ``reference.logits_linear``. ``tiles``:
-    instead of ``LOGITS_TILES`` (for the tile sweep)."""
+    instead of the one-row kernel's (one row) or ``LOGITS_TILES`` (for the tile sweep)."""
     if not few_row_product(x, weight):
         return torch.nn.functional.linear(x, weight).float()
-    tiles = fit_k_step(tiles or LOGITS_TILES, x.element_size())
+    if tiles is not None or x.shape[0] > 1:
+        tiles = fit_k_step(tiles or LOGITS_TILES, x.element_size())
     return weight_only_linear(x, weight, None, None, False, tiles, out_dtype=torch.float32)
 
 

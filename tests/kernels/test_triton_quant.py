@@ -10,6 +10,7 @@ M > 64).
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import pytest
 import torch
@@ -148,24 +149,51 @@ def test_fp8_triton_gemm(groups: int, rows: int, dtype: torch.dtype) -> None:
     torch.testing.assert_close(got, reference_quant.fp8_linear(x, weight, scale, bias), **TOL[dtype])
 
 
-@needs_triton
-@pytest.mark.skipif(ON_GPU and not FP8_DEVICE, reason="no fp8 tensor cores")
-@pytest.mark.parametrize("groups", [1, 4])
-@pytest.mark.parametrize("sum_each_step", [False, True])
-def test_fp8_one_row_kernel_at_ragged_edges(groups: int, sum_each_step: bool, monkeypatch) -> None:
-    """The one-row CUDA-core kernel where N is no multiple of its 8 rows and K none of its K step, in
-    both of its accumulations (summed each step, or once after the loop)."""
-    from mii_server.kernels import triton_fp8
+# ---- one row on the CUDA cores (triton_one_row) ----------------------------------------------------
 
-    monkeypatch.setattr(triton_fp8, "_num_sms", lambda device: 1 if sum_each_step else 1 << 20)
-    n, k = (45, 1100) if groups == 1 else (45, 512)  # group-wise: a scale per 128 columns
-    weight, scale = _fp8_case(n, k, groups)
-    x = torch.randn(1, k, device=DEVICE).to(DTYPES[0])
-    bias = torch.randn(n, device=DEVICE).to(DTYPES[0])
+
+def _one_row_case(weights: str, dtype: torch.dtype):
+    """(the op under test, its reference) at one row of ``weights``, N no multiple of any BLOCK_N and
+    (but for fp8 groups, a scale per 128 columns) K none of any K step."""
+    from mii_server.kernels import triton_fp8, triton_quant
+
+    n, k = (45, 512) if weights == "fp8 groups" else (45, 1100)
+    x = torch.randn(1, k, device=DEVICE).to(dtype)
+    bias = torch.randn(n, device=DEVICE).to(dtype)
+    if weights == "16-bit":
+        weight = _weight(n, k).to(dtype)
+        return partial(triton_quant.dense_linear, x, weight), partial(torch.nn.functional.linear, x, weight)
+    if weights == "int8":
+        weight, scale = quantize_int8(_weight(n, k), 0, k)
+        return (partial(triton_quant.int8_linear, x, weight, scale, bias),
+                partial(reference_quant.int8_linear, x, weight, scale, bias))  # fmt: skip
+    weight, scale = _fp8_case(n, k, 4 if weights == "fp8 groups" else 1)
     q, x_scale = reference_quant.quantize_fp8_per_token(x)
-    assert triton_fp8._tiles(1, n, k, 1)[0] == 1, "one row takes the CUDA-core kernel"
-    got = triton_fp8.fp8_gemm_triton(q, x_scale, weight, scale, bias, DTYPES[0])
-    torch.testing.assert_close(got, reference_quant.fp8_linear(x, weight, scale, bias), **TOL[DTYPES[0]])
+    return (partial(triton_fp8.fp8_gemm_triton, q, x_scale, weight, scale, bias, dtype),
+            partial(reference_quant.fp8_linear, x, weight, scale, bias))  # fmt: skip
+
+
+NO_FP8 = pytest.mark.skipif(ON_GPU and not FP8_DEVICE, reason="no fp8 tensor cores")
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "weights", [pytest.param("fp8", marks=NO_FP8), pytest.param("fp8 groups", marks=NO_FP8), "int8", "16-bit"]
+)
+@pytest.mark.parametrize("sum_each_step", [False, True])
+def test_one_row_kernel_at_ragged_edges(weights: str, sum_each_step: bool, monkeypatch) -> None:
+    """One row of each weight kind runs the CUDA-core kernel, in both of its accumulations (summed each
+    step, or once after the loop), where its tiles leave the last rows and the last K step partial."""
+    from mii_server.kernels import triton_fp8, triton_one_row, triton_quant
+
+    monkeypatch.setattr(triton_one_row, "_num_sms", lambda device: 1 if sum_each_step else 1 << 20)
+    launches = []
+    kernel = triton_one_row.one_row_linear
+    for module in (triton_fp8, triton_quant):
+        monkeypatch.setattr(module, "one_row_linear", lambda *a: launches.append(a) or kernel(*a))
+    run, reference = _one_row_case(weights, DTYPES[0])
+    torch.testing.assert_close(run(), reference(), **TOL[DTYPES[0]])
+    assert len(launches) == 1
 
 
 @pytest.mark.skipif(ON_GPU and not FP8_DEVICE, reason="no fp8 tensor cores")
@@ -280,7 +308,8 @@ def test_dense_linear_is_the_plain_product(dtype: torch.dtype, rows: int, monkey
 @pytest.mark.parametrize("rows", [1, 7, 16, 17])
 def test_logits_linear_rounds_the_product_to_the_model_dtype(dtype: torch.dtype, rows: int, monkeypatch) -> None:
     """The LM head: float32 logits holding the product rounded to x's dtype, as a product in x's dtype
-    cast to float32 (transformers' logits) holds it; few rows in one Triton launch, the rest cuBLAS."""
+    cast to float32 (transformers' logits) holds it; few rows in one Triton launch (one row: the one-row
+    kernel), the rest cuBLAS."""
     from mii_server.kernels import triton_quant
 
     launches = []
@@ -306,7 +335,7 @@ def test_logits_linear_rounds_the_product_to_the_model_dtype(dtype: torch.dtype,
 
 # (hidden, intermediate) of the fused gate_up: Llama-3-8B on the GPU; on the CPU a hidden size over
 # several K steps and an intermediate size, each leaving its last tile partial
-GATED_SHAPE = (4096, 14336) if ON_GPU else (300, 80)
+GATED_SHAPE = (4096, 14336) if ON_GPU else (300, 84)
 
 
 def _small_integers(*shape: int, dtype: torch.dtype) -> torch.Tensor:
@@ -335,6 +364,39 @@ def test_linear_act_and_mul_is_the_product_then_the_activation(dtype: torch.dtyp
     weight = (torch.randn(2 * inter, hidden, device=DEVICE) / hidden**0.5).to(dtype)
     want = getattr(reference, f"linear_{op}")(x.float(), weight.float())
     torch.testing.assert_close(fused(x, weight).float(), want, **TOL[dtype])
+
+
+@needs_triton
+@pytest.mark.skipif(ON_GPU and not FP8_DEVICE, reason="no fp8 tensor cores")
+def test_one_row_fused_ops_take_the_one_row_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At one row, gate_up with its activation and q/k/v with rotary (16-bit and fp8) each run their
+    one-row kernel, once (their results are checked against the unfused ops in the tests around)."""
+    from mii_server.kernels import triton_fused_linear
+
+    launched = []
+
+    class Counted:
+        def __init__(self, name: str) -> None:
+            self.name, self.kernel = name, getattr(triton_fused_linear, name)
+
+        def __getitem__(self, grid):
+            launched.append(self.name)
+            return self.kernel[grid]
+
+    for name in ("_one_row_act_and_mul_kernel", "_one_row_qkv_rotary_kernel"):
+        monkeypatch.setattr(triton_fused_linear, name, Counted(name))
+    dtype = DTYPES[0]
+    hidden, inter = GATED_SHAPE
+    triton_fused_linear.linear_silu_and_mul(torch.randn(1, hidden, device=DEVICE).to(dtype),
+                                            _weight(2 * inter, hidden).to(dtype))  # fmt: skip
+    hidden, hq, hk, d = QKV_SHAPE
+    positions, cos_sin, slots, (k_cache, v_cache) = _rotary_case(1, dtype)
+    x = torch.randn(1, hidden, device=DEVICE).to(dtype)
+    rest = (positions, cos_sin, k_cache, v_cache, slots)
+    triton_fused_linear.linear_rotary_kv_append(x, _weight((hq + 2 * hk) * d, hidden).to(dtype), None, *rest)
+    weight, scale = _fp8_case((hq + 2 * hk) * d, hidden, 1)
+    triton_fused_linear.fp8_linear_rotary_kv_append(x, weight, scale, None, *rest)
+    assert launched == ["_one_row_act_and_mul_kernel", *["_one_row_qkv_rotary_kernel"] * 2]
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
@@ -376,12 +438,13 @@ def _cos_sin(max_positions: int, head_dim: int) -> torch.Tensor:
 
 def _rotary_case(rows: int, dtype: torch.dtype) -> tuple:
     """A step's rotary and append operands for QKV_SHAPE: positions, the cos/sin table, cache slots
-    (the middle row's -1 marks a padding token: nothing is written) and the K and V caches."""
+    (past one row, the middle row's -1 marks a padding token: nothing is written) and the K and V caches."""
     hk, d = QKV_SHAPE[2:]
     num_blocks, block_size = 8, 16
     positions = torch.randint(0, 4096, (rows,), device=DEVICE)
     slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:rows]
-    slots[rows // 2] = -1
+    if rows > 1:  # one row is written: the one-row kernel's append is checked
+        slots[rows // 2] = -1
     caches = [torch.randn(num_blocks, block_size, hk, d, device=DEVICE).to(dtype) for _ in range(2)]
     return positions, _cos_sin(4096, d), slots, caches
 
