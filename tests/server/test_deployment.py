@@ -311,7 +311,13 @@ def test_two_processes_of_a_front_end_share_its_port_and_answer_metrics_for_both
     served_before = _served(log_dir, role)
     for i in range(16):  # the kernel deals connections, not requests: each on its own
         assert _generate_on_a_new_connection(deployment, role, i) == expected[i].generated_text
-    served = [now - then for now, then in zip(_served(log_dir, role), served_before, strict=True)]
+    # A front end logs and counts a request once its last byte is out, which can be just after the
+    # caller has read it: wait (bounded) for the 16th line rather than race it.
+    def served_since() -> list[int]:
+        return [now - then for now, then in zip(_served(log_dir, role), served_before, strict=True)]
+
+    wait_for(lambda: sum(served_since()) >= 16, 10, "every request's access log line")
+    served = served_since()
     assert sum(served) == 16 and min(served) > 0, served  # both took some (all to one: 2 * 2**-16 odds)
     counted = sample(scrape(metrics_url), "mii_server:http_requests_total", route=route)
     assert counted - counted_before == 16  # whichever process the scrape reached counts both
