@@ -346,8 +346,12 @@ def test_a_sigkilled_front_end_process_is_restarted_while_the_other_serves(deplo
     wait_for(restarted_and_listening, 60, f"the killed {role} process to come back on the port")
     for i in range(4, 12):
         assert _generate_on_a_new_connection(deployment, role, i) == expected[i].generated_text
-    counted = sample(scrape(metrics_url), "mii_server:http_requests_total", route=route)
-    assert counted - counted_before == 12  # the killed process's counts stay in the sum
+
+    def counted_since() -> float:  # counted once a request's last byte is out: maybe after it was read
+        return sample(scrape(metrics_url), "mii_server:http_requests_total", route=route) - counted_before
+
+    wait_for(lambda: counted_since() >= 12, 10, "every request's count")
+    assert counted_since() == 12  # the killed process's counts stay in the sum
 
 
 def test_leaving_a_stream_aborts_the_request_and_frees_its_kv_blocks(deployment) -> None:

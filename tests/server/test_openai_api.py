@@ -307,7 +307,15 @@ def test_metrics_count_requests_and_tokens(deployment: Deployment) -> None:
         )
         assert reply.usage.completion_tokens == 5
         prompt_tokens += reply.usage.prompt_tokens
-    after, gw_after = scrape(replica_url), scrape(gateway_url, auth)
+    ok = {"route": "/v1/completions", "status": "200"}
+
+    def gateway_counted_all() -> dict | None:  # a reply is counted once its last byte is out: maybe after
+        scraped = scrape(gateway_url, auth)  # the caller has read it
+        counted = sample(scraped, "mii_server:http_requests_total", **ok)
+        return scraped if counted - sample(gw_before, "mii_server:http_requests_total", **ok) >= 3 else None
+
+    after = scrape(replica_url)
+    gw_after = wait_for(gateway_counted_all, 10, "the gateway to count every request")
 
     def delta(name: str, m0: dict = before, m1: dict = after, **labels: str) -> float:
         return sample(m1, name, **labels) - sample(m0, name, **labels)
@@ -331,7 +339,6 @@ def test_metrics_count_requests_and_tokens(deployment: Deployment) -> None:
     assert not any(n.endswith("_total") for n in ("mii_server:kv_cache_num_blocks", "mii_server:num_requests_running"))
     assert ("mii_server:kv_cache_blocks_total", (("model_name", MODEL), ("replica", "0"))) not in after
     # one owner per metric: the front end counts its HTTP requests and reports no engine series
-    ok = {"route": "/v1/completions", "status": "200"}
     assert delta("mii_server:http_requests_total", gw_before, gw_after, **ok) == 3
     assert not [n for n, _ in gw_after if n.startswith("mii_server:generation_tokens")]
     assert not [n for n, _ in gw_after if n.startswith("mii_server:request_failure")]
