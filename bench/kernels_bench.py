@@ -398,6 +398,10 @@ def bench_blas_libraries(rows_list: tuple[int, ...] = (1, 256, 8192)) -> list[di
     return out
 
 
+# one row: triton_one_row's loop (BLOCK_M 1: weight rows per program, K step, warps; no stages)
+ONE_ROW_TILES = [(1, bn, bk, warps, 1) for bn in (4, 8, 16, 32) for bk in (512, 1024, 2048) for warps in (4, 8)]
+
+
 def _gemm_tiles(fp8: bool, rows: int) -> list[tuple[int, int, int, int, int]]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) tried at few rows; fp8 reads half the bytes per K.
     One row also tries ``triton_one_row``'s tiles (BLOCK_M 1: weight rows per program, K step, warps;
@@ -406,7 +410,7 @@ def _gemm_tiles(fp8: bool, rows: int) -> list[tuple[int, int, int, int, int]]:
     tiles = [(16, bn, bk, 4, s) for bn in (16, 32, 64) for bk in ks for s in (3, 5)]
     tiles += [(16, 32, ks[1], 8, 4), (16, 64, ks[1], 8, 3), (16, 128, ks[0], 8, 3)]
     if rows == 1:
-        tiles += [(1, bn, bk, warps, 1) for bn in (4, 8, 16, 32) for bk in (512, 1024, 2048) for warps in (4, 8)]
+        tiles += ONE_ROW_TILES
     return tiles
 
 
@@ -486,8 +490,8 @@ QKV_ROTARY_TILES = [
 FP8_QKV_ROTARY_TILES = [
     (16, bn, bk, 4, stages) for bn in (16, 32, 64) for bk in (256, 512, 1024) for stages in (2, 3, 4)
 ]
-# one row: triton_one_row's loop (BLOCK_M 1) over BLOCK_N rows of each of the two row ranges paired
-ONE_ROW_PAIR_TILES = [(1, bn, bk, warps, 1) for bn in (4, 8, 16) for bk in (512, 1024, 2048) for warps in (4, 8)]
+# one row of a fused pair: BLOCK_N rows of each of the two row ranges paired
+ONE_ROW_PAIR_TILES = [t for t in ONE_ROW_TILES if t[1] <= 16]
 
 
 def _each_weight_us(fn, weights: list[torch.Tensor]) -> float:
