@@ -18,8 +18,9 @@ from .metadata import AttentionMetadata
 from .reference_quant import Fp8Rows, fp6_linear, fp8_linear, int8_linear, quantize_fp8_per_token
 
 __all__ = [
-    "argmax_rows", "dense_linear", "fp6_linear", "fp8_linear", "fp8_linear_rotary_kv_append",
-    "gelu_tanh_and_mul", "gelu_tanh_and_mul_fp8", "int8_linear", "kv_append", "linear_gelu_tanh_and_mul",
+    "argmax_rows", "dense_linear", "fp6_linear", "fp8_linear", "fp8_linear_gelu_tanh_and_mul",
+    "fp8_linear_rotary_kv_append", "fp8_linear_silu_and_mul", "gelu_tanh_and_mul", "gelu_tanh_and_mul_fp8",
+    "int8_linear", "kv_append", "linear_gelu_tanh_and_mul",
     "linear_rotary_kv_append", "linear_silu_and_mul", "logits_linear", "paged_attention",
     "quantize_fp8_per_token", "rms_norm", "rms_norm_fp8", "rotary_embedding", "rotary_kv_append",
     "silu_and_mul", "silu_and_mul_fp8", "split_qkv",
@@ -101,6 +102,23 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def linear_gelu_tanh_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``gelu_tanh_and_mul(x @ weight^T)``, as ``linear_silu_and_mul``."""
     return gelu_tanh_and_mul(dense_linear(x, weight))
+
+
+def fp8_linear_silu_and_mul(
+    x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, gemm: str = "auto"
+) -> torch.Tensor:
+    """``linear_silu_and_mul`` with an fp8 weight: ``silu_and_mul(fp8_linear(x, weight, scale))``, rows
+    in the model dtype (x quantized per token, or given as ``Fp8Rows``). The Triton twin does it in one
+    launch at one row, where the model calls it: its fp8 down projection then quantizes that row as
+    it reads it, two launches fewer than the product, ``silu_and_mul_fp8`` and the down GEMM."""
+    return silu_and_mul(fp8_linear(x, weight, scale, None, gemm))
+
+
+def fp8_linear_gelu_tanh_and_mul(
+    x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, gemm: str = "auto"
+) -> torch.Tensor:
+    """``gelu_tanh_and_mul(fp8_linear(x, weight, scale))``, as ``fp8_linear_silu_and_mul``."""
+    return gelu_tanh_and_mul(fp8_linear(x, weight, scale, None, gemm))
 
 
 def rotary_embedding(

@@ -190,7 +190,10 @@ def fp8_linear(
     docs/BENCHMARKS.md 2026-12-02): batch-1 decode 4.02 ms/token with Triton against 5.11 with
     scaled_mm; 256 x 512 / 256 throughput 13,126 tok/s with scaled_mm against 8,622 with Triton. The
     crossover between 1 and 256 rows was not measured: 16 is where ``_tiles`` leaves its weight-bound
-    configuration. ``x`` given as ``Fp8Rows`` (from ``rms_norm_fp8``) skips the quantizer's launch."""
+    configuration. ``x`` given as ``Fp8Rows`` (from ``rms_norm_fp8``) skips the quantizer's launch, as
+    does one 16-bit row for the Triton GEMM: the one-row kernel quantizes it as it reads it."""
+    if not isinstance(x, Fp8Rows) and x.shape[0] == 1 and gemm != "scaled_mm":
+        return one_row_linear(x, weight, scale, bias, quantize_x=True)
     q, x_scale, dtype = x if isinstance(x, Fp8Rows) else (*quantize_fp8_per_token(x), x.dtype)
     use_triton = gemm == "triton" or (gemm == "auto" and q.shape[0] <= TRITON_MAX_ROWS)
     if not use_triton and scale.shape[1] == 1:

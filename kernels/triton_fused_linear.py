@@ -79,20 +79,26 @@ def _linear_act_and_mul_kernel(
 
 @triton.jit
 def _one_row_act_and_mul_kernel(
-    x_ptr, w_ptr, out_ptr, I, K, stride_wn, GELU_TANH: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REDUCE_EACH_STEP: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, I, K, stride_wn, stride_ws, GELU_TANH: tl.constexpr,
+    FP8: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    REDUCE_EACH_STEP: tl.constexpr, PREFETCH_LINES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One row (``triton_one_row``'s loop): a program owns BLOCK_N gate rows and the matching up rows,
-    read as one tile of interleaved rows; the activation is formed from the two sums."""
+    read as one tile of interleaved rows; the activation is formed from the two sums (``FP8``: each
+    first times its row's weight scale and x's scale, as the fp8 GEMM stores them)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < I
     gate_rows = tl.minimum(rn, I - 1).to(tl.int64)  # the last tile's spare rows read a real row
-    rows = w_ptr + tl.join(gate_rows, gate_rows + I).reshape(2 * BLOCK_N) * stride_wn
+    row_ids = tl.join(gate_rows, gate_rows + I).reshape(2 * BLOCK_N)
+    rows = w_ptr + row_ids * stride_wn
+    pdl_prefetch_rows(rows, PREFETCH_LINES, PDL)
     pdl_wait(PDL)
-    sums = row_sums(x_ptr, rows, rows, K, 1, False, EVEN_K, BLOCK_K, REDUCE_EACH_STEP)
+    sums = row_sums(x_ptr, rows, rows, K, 1, False, EVEN_K, BLOCK_K, REDUCE_EACH_STEP, 1.0, False)
     pdl_release(PDL)  # why after the loop: see pdl.py
+    if FP8:
+        sums = sums * tl.load(w_scale_ptr + row_ids * stride_ws) * tl.load(x_scale_ptr)
     gate, up = tl.split(sums.reshape(BLOCK_N, 2))
-    dtype = x_ptr.dtype.element_ty
+    dtype = out_ptr.dtype.element_ty
     # why the casts: the unfused product stores gate and up in the input dtype before the activation
     y = act_and_mul_values(gate.to(dtype), up.to(dtype), GELU_TANH)
     tl.store(out_ptr + rn, y.to(dtype), mask=n_ok)
@@ -120,19 +126,69 @@ def linear_act_and_mul(
     bm, bn, bk, warps, stages = tiles or (one_row_pair_tiles(k, x.element_size()) if m == 1 else GATED_TILES)
     if bm == 1:
         assert m == 1, "the one-row kernel takes one row"
-        programs = triton.cdiv(inter, bn)
-        _one_row_act_and_mul_kernel[(programs,)](
-            x, weight, out, inter, k, weight.stride(0), GELU_TANH=gelu_tanh, EVEN_K=k % bk == 0, BLOCK_N=bn,
-            BLOCK_K=bk, REDUCE_EACH_STEP=programs >= 4 * _num_sms(x.device), num_warps=warps, num_stages=1,
-            **pdl_launch(x.device),
-        )  # fmt: skip
-        return out
+        return _launch_one_row_act_and_mul(x, None, weight, None, out, gelu_tanh, (bn, bk, warps))
     _linear_act_and_mul_kernel[(triton.cdiv(inter, bn), triton.cdiv(m, bm))](
         x, weight, out, m, inter, k, x.stride(0), weight.stride(0), out.stride(0),
         GELU_TANH=gelu_tanh, DOT_PREC=_dot_precision(x.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=warps, num_stages=stages, **pdl_launch(x.device),
     )  # fmt: skip
     return out
+
+
+def _launch_one_row_act_and_mul(
+    x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, w_scale: torch.Tensor | None,
+    out: torch.Tensor, gelu_tanh: bool, tiles: tuple[int, int, int],
+) -> torch.Tensor:  # fmt: skip
+    """One launch of ``_one_row_act_and_mul_kernel`` (fp8 when given scales) writing ``out``."""
+    bn, bk, warps = tiles
+    k = x.shape[1]
+    programs = triton.cdiv(out.shape[1], bn)
+    fp8 = w_scale is not None
+    _one_row_act_and_mul_kernel[(programs,)](
+        x, x_scale if fp8 else x, weight, w_scale if fp8 else x, out, out.shape[1], k, weight.stride(0),
+        w_scale.stride(0) if fp8 else 0, GELU_TANH=gelu_tanh, FP8=fp8, EVEN_K=k % bk == 0, BLOCK_N=bn,
+        BLOCK_K=bk, REDUCE_EACH_STEP=programs >= 4 * _num_sms(x.device),
+        PREFETCH_LINES=prefetch_lines(k, PREFETCH_K_TILES * bk) if fp8 else 0, num_warps=warps, num_stages=1,
+        **pdl_launch(x.device),
+    )  # fmt: skip
+    return out
+
+
+def fp8_linear_act_and_mul(
+    x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, gelu_tanh: bool, gemm: str = "auto",
+    tiles: tuple[int, int, int, int, int] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """``fp8_linear_silu_and_mul`` or (``gelu_tanh``) ``fp8_linear_gelu_tanh_and_mul``: one launch at
+    one row where ``fp8_linear`` would run its Triton kernel on a weight with one scale per output
+    channel, else ``fp8_linear`` and the activation. ``tiles``: instead of ``one_row_pair_tiles``'."""
+    q8, x_scale, dtype = x if isinstance(x, Fp8Rows) else (*quantize_fp8_per_token(x), x.dtype)
+    fused = (
+        gemm in ("auto", "triton")
+        and q8.shape[0] == 1
+        and scale.shape[1] == 1
+        and q8.stride(-1) == 1
+        and weight.stride(-1) == 1
+    )
+    if not fused:
+        act_and_mul = gelu_tanh_and_mul if gelu_tanh else silu_and_mul
+        return act_and_mul(fp8_linear(Fp8Rows(q8, x_scale, dtype), weight, scale, None, gemm))
+    _, bn, bk, warps, _ = tiles or one_row_pair_tiles(q8.shape[1], q8.element_size())
+    out = torch.empty((1, weight.shape[0] // 2), dtype=dtype, device=q8.device)
+    return _launch_one_row_act_and_mul(q8, x_scale, weight, scale, out, gelu_tanh, (bn, bk, warps))
+
+
+def fp8_linear_silu_and_mul(
+    x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, gemm: str = "auto"
+) -> torch.Tensor:
+    """See ``reference.fp8_linear_silu_and_mul``."""
+    return fp8_linear_act_and_mul(x, weight, scale, gelu_tanh=False, gemm=gemm)
+
+
+def fp8_linear_gelu_tanh_and_mul(
+    x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, gemm: str = "auto"
+) -> torch.Tensor:
+    """See ``reference.fp8_linear_gelu_tanh_and_mul``."""
+    return fp8_linear_act_and_mul(x, weight, scale, gelu_tanh=True, gemm=gemm)
 
 
 def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -252,7 +308,7 @@ def _one_row_qkv_rotary_kernel(
     rows = w_ptr + tl.join(first_rows, first_rows + HALF).reshape(2 * BLOCK_N) * stride_wn
     pdl_prefetch_rows(rows, PREFETCH_LINES, PDL)
     pdl_wait(PDL)
-    sums = row_sums(x_ptr, rows, rows, K, 1, False, EVEN_K, BLOCK_K, REDUCE_EACH_STEP)
+    sums = row_sums(x_ptr, rows, rows, K, 1, False, EVEN_K, BLOCK_K, REDUCE_EACH_STEP, 1.0, False)
     pdl_release(PDL)  # why after the loop: see pdl.py
     acc_first, acc_second = tl.split(sums.reshape(BLOCK_N, 2))
     if FP8:  # the fp8 GEMM's epilogue: the weight's scale of each column, then the row's

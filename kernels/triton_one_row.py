@@ -6,7 +6,9 @@ a program owns ``BLOCK_N`` rows of the weight and walks K in ``BLOCK_K`` steps, 
 weight by its x in float32 (exact for two 16-bit or 8-bit values) and summing in float32.
 
 Weights: 16-bit (x's dtype, or float32), int8 with a scale per output channel, or fp8 e4m3 with a
-scale per output channel or per 128-column group (x then fp8 too, with its row's scale). The tiles
+scale per output channel or per 128-column group (x then fp8 too, with its row's scale, or 16-bit and
+quantized per token in the kernel: every program finds the row's scale itself, which spares the
+quantizer's launch). The tiles
 (``one_row_tiles``) were swept at one row on an H200 over Llama-3-8B's products (docs/BENCHMARKS.md
 2026-12-05): 64 weights per thread a step.
 """
@@ -18,21 +20,36 @@ import triton
 import triton.language as tl
 
 from .pdl import pdl_launch, pdl_prefetch_rows, pdl_prologue, pdl_release, pdl_wait, prefetch_lines
+from .reference_quant import FP8_MAX, FP8_SCALE_FLOOR
 from .triton_attention import _num_sms
+from .triton_pointwise import to_fp8
 
 ONE_ROW_K_STEP = 1024  # columns a step, for weights of 1 or 2 bytes
 PREFETCH_K_STEPS = 2  # 8-bit weights: K steps of each row asked of L2 before the PDL wait (see pdl.py)
+_FP8_SCALE_FLOOR = tl.constexpr(FP8_SCALE_FLOOR)  # jit code reads module globals only as constexprs
+_FP8_MAX = tl.constexpr(FP8_MAX)
+
+
+@triton.jit
+def fp8_row_scale(x_ptr, K, BLOCK_K: tl.constexpr):
+    """The per-token fp8 scale of the 16-bit row x [K], as ``quantize_fp8_per_token`` computes it."""
+    rk = tl.arange(0, BLOCK_K)
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)))
+    return tl.maximum(tl.max(amax, 0), _FP8_SCALE_FLOOR) / _FP8_MAX
 
 
 @triton.jit
 def row_sums(
     x_ptr, rows, scale_rows, K, GROUP_K: tl.constexpr, PER_GROUP: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_K: tl.constexpr, REDUCE_EACH_STEP: tl.constexpr,
+    BLOCK_K: tl.constexpr, REDUCE_EACH_STEP: tl.constexpr, x_fp8_scale, QUANTIZE_X: tl.constexpr,
 ):  # fmt: skip
     """[R] float32: sum_k x[k] w[r, k] for the R weight rows ``rows`` points at, each product in
     float32 on the CUDA cores. ``PER_GROUP`` (BLOCK_K divides GROUP_K): each K step's sums times its
     group's scale, ``scale_rows`` [R] pointing at each row's scales. ``REDUCE_EACH_STEP``: summed each
-    step (few registers: more programs resident), else once after the loop (fewer shuffles)."""
+    step (few registers: more programs resident), else once after the loop (fewer shuffles).
+    ``QUANTIZE_X``: each x first rounded to fp8 at ``x_fp8_scale`` (the sums are then of the codes)."""
     rk = tl.arange(0, BLOCK_K)
     if REDUCE_EACH_STEP or PER_GROUP:
         acc = tl.zeros([rows.shape[0]], dtype=tl.float32)
@@ -46,7 +63,10 @@ def row_sums(
         else:
             x = tl.load(x_ptr + k, mask=k < K, other=0.0)
             w = tl.load(rows[:, None] + k[None, :], mask=(k < K)[None, :], other=0.0)
-        products = w.to(tl.float32) * x.to(tl.float32)[None, :]
+        x = x.to(tl.float32)
+        if QUANTIZE_X:
+            x = to_fp8(x, x_fp8_scale, _FP8_MAX).to(tl.float32)
+        products = w.to(tl.float32) * x[None, :]
         if PER_GROUP:
             acc += tl.sum(products, 1) * tl.load(scale_rows + k0 // GROUP_K)
         elif REDUCE_EACH_STEP:
@@ -59,13 +79,15 @@ def row_sums(
 @triton.jit
 def _one_row_kernel(
     x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, N, K, stride_wn, stride_ws,
-    X_SCALED: tl.constexpr, W_SCALED: tl.constexpr, GROUP_K: tl.constexpr, PER_GROUP: tl.constexpr,
+    X_SCALED: tl.constexpr, QUANTIZE_X: tl.constexpr, W_SCALED: tl.constexpr, GROUP_K: tl.constexpr,
+    PER_GROUP: tl.constexpr,
     HAS_BIAS: tl.constexpr, ROUND_TO_X: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REDUCE_EACH_STEP: tl.constexpr,
     RELEASE_AFTER_LOOP: tl.constexpr, PREFETCH_LINES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out[rn] = (sum_k x[k] w[rn, k]) * w_scale[rn] * x_scale (+ bias[rn]), one rounding at the end
-    (``ROUND_TO_X``: to x's dtype first, then stored in out's wider one)."""
+    (``ROUND_TO_X``: to x's dtype first, then stored in out's wider one). ``QUANTIZE_X``: x_scale is
+    the row's fp8 scale, found here, and x's values are rounded to fp8 at it as they load."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     # the last tile's spare rows read a real row, and their results are not stored
@@ -78,14 +100,20 @@ def _one_row_kernel(
     else:
         pdl_prefetch_rows(rows, PREFETCH_LINES, PDL)
         pdl_prologue(PDL)
+    if QUANTIZE_X:
+        x_scale = fp8_row_scale(x_ptr, K, BLOCK_K)
+    elif X_SCALED:
+        x_scale = tl.load(x_scale_ptr)
+    else:
+        x_scale = 1.0
     y = row_sums(x_ptr, rows, w_scale_ptr + safe_rn * stride_ws, K, GROUP_K, PER_GROUP, EVEN_K, BLOCK_K,
-                 REDUCE_EACH_STEP)  # fmt: skip
+                 REDUCE_EACH_STEP, x_scale, QUANTIZE_X)  # fmt: skip
     if RELEASE_AFTER_LOOP:
         pdl_release(PDL)
     if W_SCALED and not PER_GROUP:
         y = y * tl.load(w_scale_ptr + rn * stride_ws, mask=n_ok, other=0.0)
-    if X_SCALED:
-        y = y * tl.load(x_scale_ptr)
+    if X_SCALED or QUANTIZE_X:
+        y = y * x_scale
     if HAS_BIAS:
         y += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     if ROUND_TO_X:
@@ -108,10 +136,11 @@ def one_row_tiles(k: int, element_size: int) -> tuple[int, int, int]:
 def one_row_linear(
     x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
     x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-    tiles: tuple[int, int, int] | None = None,
+    tiles: tuple[int, int, int] | None = None, quantize_x: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """x [1, K] @ (weight [N, K] * w_scale [N, G])^T * x_scale + bias -> [1, N] in ``out_dtype`` (x's
-    dtype if None). ``x_scale`` [1]: x holds fp8 values of that scale. An unscaled x with a wider
+    dtype if None). ``x_scale`` [1]: x holds fp8 values of that scale. ``quantize_x`` (fp8 weights): x
+    is 16-bit, quantized per token here as ``quantize_fp8_per_token`` would. An unscaled x with a wider
     ``out_dtype`` (logits) has the product rounded to x's dtype first. ``tiles``: (BLOCK_N, BLOCK_K,
     warps) instead of ``one_row_tiles``' choice (benchmarks)."""
     assert x.shape[0] == 1 and x.stride(-1) == 1 and weight.stride(-1) == 1, "one contiguous row"
@@ -132,8 +161,9 @@ def one_row_linear(
     _one_row_kernel[(programs,)](
         x, x_scale if x_scale is not None else x, weight, w_scale if w_scale is not None else x,
         bias if bias is not None else x, out, n, k, weight.stride(0), 0 if w_scale is None else w_scale.stride(0),
-        X_SCALED=x_scale is not None, W_SCALED=w_scale is not None, GROUP_K=group_k, PER_GROUP=groups > 1,
-        HAS_BIAS=bias is not None, ROUND_TO_X=x_scale is None and out_dtype != x.dtype, EVEN_K=k % bk == 0,
+        X_SCALED=x_scale is not None, QUANTIZE_X=quantize_x, W_SCALED=w_scale is not None, GROUP_K=group_k,
+        PER_GROUP=groups > 1, HAS_BIAS=bias is not None,
+        ROUND_TO_X=x_scale is None and not quantize_x and out_dtype != x.dtype, EVEN_K=k % bk == 0,
         BLOCK_N=bn, BLOCK_K=bk, REDUCE_EACH_STEP=programs >= 4 * _num_sms(x.device),
         RELEASE_AFTER_LOOP=not eight_bit, PREFETCH_LINES=prefetch_lines(k, PREFETCH_K_STEPS * bk) if eight_bit else 0,
         num_warps=warps, num_stages=1, **pdl_launch(x.device),

@@ -17,7 +17,9 @@ from .triton_argmax import argmax_rows
 from .triton_attention import paged_attention
 from .triton_fp8 import fp8_linear, quantize_fp8_per_token
 from .triton_fused_linear import (
+    fp8_linear_gelu_tanh_and_mul,
     fp8_linear_rotary_kv_append,
+    fp8_linear_silu_and_mul,
     linear_gelu_tanh_and_mul,
     linear_rotary_kv_append,
     linear_silu_and_mul,
@@ -40,7 +42,9 @@ __all__ = [
     "dense_linear",
     "fp6_linear",
     "fp8_linear",
+    "fp8_linear_gelu_tanh_and_mul",
     "fp8_linear_rotary_kv_append",
+    "fp8_linear_silu_and_mul",
     "fused_moe",
     "gelu_tanh_and_mul",
     "gelu_tanh_and_mul_fp8",

@@ -116,8 +116,10 @@ class LlamaMLP(nn.Module):
     ``reduce=False`` leaves the down projection's partial sum unreduced (a shared expert's output
     joins the routed experts' before the layer's one all-reduce). ``fp8_activation`` (set by
     ``quantization.quantize_linears`` when ``activation_consumer`` is an fp8 linear): the activation's
-    rows come out quantized per token in the same launch (``ops.silu_and_mul_fp8``). An unquantized
-    gate_up without bias runs with the activation in its epilogue (``ops.linear_silu_and_mul``)."""
+    rows come out quantized per token in the same launch (``ops.silu_and_mul_fp8``); at one row, an fp8
+    gate_up without bias runs with the activation in its epilogue instead
+    (``ops.fp8_linear_silu_and_mul``) and the down projection quantizes that row as it reads it. An
+    unquantized gate_up without bias runs with the activation in its epilogue (``ops.linear_silu_and_mul``)."""
 
     def __init__(
         self,
@@ -137,6 +139,7 @@ class LlamaMLP(nn.Module):
         self.act_and_mul = getattr(ops, op)
         self.act_and_mul_fp8 = getattr(ops, f"{op}_fp8")
         self.linear_act_and_mul = getattr(ops, f"linear_{op}")
+        self.fp8_linear_act_and_mul = getattr(ops, f"fp8_linear_{op}")
         self.fp8_activation = False
         inter = intermediate_size or spec.intermediate_size
         shard = even_shard(inter, tp)
@@ -153,6 +156,9 @@ class LlamaMLP(nn.Module):
         gate_up = self.gate_up_proj
         if type(gate_up) is ColumnParallelLinear and gate_up.bias is None:  # not quantized since built
             return self.down_proj(self.linear_act_and_mul(x, gate_up.weight))
+        if self.fp8_activation and gate_up.bias is None and getattr(gate_up, "fp8", False) and x.shape[0] == 1:
+            gemm = gate_up.scheme.fp8_gemm
+            return self.down_proj(self.fp8_linear_act_and_mul(x, gate_up.weight, gate_up.weight_scale, gemm))
         act_and_mul = self.act_and_mul_fp8 if self.fp8_activation else self.act_and_mul
         return self.down_proj(act_and_mul(gate_up(x)))
 

@@ -168,17 +168,33 @@ def _one_row_case(weights: str, dtype: torch.dtype):
         return (partial(triton_quant.int8_linear, x, weight, scale, bias),
                 partial(reference_quant.int8_linear, x, weight, scale, bias))  # fmt: skip
     weight, scale = _fp8_case(n, k, 4 if weights == "fp8 groups" else 1)
+    if weights == "fp8, 16-bit x":  # quantized per token inside the one-row kernel
+        if not ON_GPU:  # fp8 codes times a power of two: exact in the interpreter's rounding (see below)
+            codes = _weight(1, k).mul(400).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+            codes[0, 0] = 448.0
+            x = (codes * 2**-4).to(dtype)
+        return (partial(triton_fp8.fp8_linear, x, weight, scale, bias),
+                partial(reference_quant.fp8_linear, x, weight, scale, bias))  # fmt: skip
     q, x_scale = reference_quant.quantize_fp8_per_token(x)
     return (partial(triton_fp8.fp8_gemm_triton, q, x_scale, weight, scale, bias, dtype),
             partial(reference_quant.fp8_linear, x, weight, scale, bias))  # fmt: skip
 
 
 NO_FP8 = pytest.mark.skipif(ON_GPU and not FP8_DEVICE, reason="no fp8 tensor cores")
+# quantizing in a kernel: Triton's interpreter rounds fp32 -> fp8 wrongly where rounding carries into
+# the exponent (7.9 -> 4.0), so on the CPU x holds values the quantizer meets exactly
 
 
 @needs_triton
 @pytest.mark.parametrize(
-    "weights", [pytest.param("fp8", marks=NO_FP8), pytest.param("fp8 groups", marks=NO_FP8), "int8", "16-bit"]
+    "weights",
+    [
+        pytest.param("fp8", marks=NO_FP8),
+        pytest.param("fp8 groups", marks=NO_FP8),
+        pytest.param("fp8, 16-bit x", marks=NO_FP8),
+        "int8",
+        "16-bit",
+    ],
 )
 @pytest.mark.parametrize("sum_each_step", [False, True])
 def test_one_row_kernel_at_ragged_edges(weights: str, sum_each_step: bool, monkeypatch) -> None:
@@ -190,7 +206,7 @@ def test_one_row_kernel_at_ragged_edges(weights: str, sum_each_step: bool, monke
     launches = []
     kernel = triton_one_row.one_row_linear
     for module in (triton_fp8, triton_quant):
-        monkeypatch.setattr(module, "one_row_linear", lambda *a: launches.append(a) or kernel(*a))
+        monkeypatch.setattr(module, "one_row_linear", lambda *a, **kw: launches.append(a) or kernel(*a, **kw))
     run, reference = _one_row_case(weights, DTYPES[0])
     torch.testing.assert_close(run(), reference(), **TOL[DTYPES[0]])
     assert len(launches) == 1
@@ -396,7 +412,32 @@ def test_one_row_fused_ops_take_the_one_row_kernels(monkeypatch: pytest.MonkeyPa
     triton_fused_linear.linear_rotary_kv_append(x, _weight((hq + 2 * hk) * d, hidden).to(dtype), None, *rest)
     weight, scale = _fp8_case((hq + 2 * hk) * d, hidden, 1)
     triton_fused_linear.fp8_linear_rotary_kv_append(x, weight, scale, None, *rest)
-    assert launched == ["_one_row_act_and_mul_kernel", *["_one_row_qkv_rotary_kernel"] * 2]
+    hidden, inter = GATED_SHAPE
+    rows = reference_quant.Fp8Rows(*reference_quant.quantize_fp8_per_token(torch.randn(1, hidden, device=DEVICE)),
+                                   dtype)  # fmt: skip
+    triton_fused_linear.fp8_linear_silu_and_mul(rows, *_fp8_case(2 * inter, hidden, 1))
+    assert launched == [
+        "_one_row_act_and_mul_kernel", *["_one_row_qkv_rotary_kernel"] * 2, "_one_row_act_and_mul_kernel"
+    ]
+
+
+@needs_triton
+@pytest.mark.skipif(ON_GPU and not FP8_DEVICE, reason="no fp8 tensor cores")
+@pytest.mark.parametrize("op", ["silu_and_mul", "gelu_tanh_and_mul"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_fp8_gate_up_with_its_activation(op: str, rows: int) -> None:
+    """An fp8 gate_up and its activation (one launch at one row; more rows: the fp8 GEMM, then the
+    activation) against the reference composition, rows already quantized as the norm hands them."""
+    from mii_server.kernels import reference, triton_ops
+
+    hidden, inter = GATED_SHAPE
+    dtype = DTYPES[0]
+    q, x_scale = reference_quant.quantize_fp8_per_token(torch.randn(rows, hidden, device=DEVICE))
+    x = reference_quant.Fp8Rows(q, x_scale, dtype)
+    weight, scale = _fp8_case(2 * inter, hidden, 1)
+    got = getattr(triton_ops, f"fp8_linear_{op}")(x, weight, scale)
+    assert got.shape == (rows, inter) and got.dtype == dtype
+    torch.testing.assert_close(got, getattr(reference, f"fp8_linear_{op}")(x, weight, scale), **TOL[dtype])
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")

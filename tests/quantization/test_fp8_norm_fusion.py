@@ -1,5 +1,7 @@
 """fp8 layers: the RMSNorm before an fp8 linear hands it rows already quantized (``rms_norm_fp8``),
-and so does a gated MLP's activation before its down projection (``silu_and_mul_fp8``).
+and so does a gated MLP's activation before its down projection (``silu_and_mul_fp8``; at one row,
+the gate_up product and activation in one op, ``fp8_linear_silu_and_mul``, whose row the down
+projection quantizes itself).
 
 On fp8 tensor cores ``quantize_linears`` turns this on for every block whose norm feeds one fp8 linear
 alone; on the CPU (fp8 emulated by the reference ops) it stays off, so here it is switched on by hand
@@ -36,13 +38,16 @@ def test_emulated_fp8_keeps_plain_norms_and_fused_norms_change_nothing(prequanti
     assert len(mlps) == model.spec.num_layers and all(m.activation_consumer() is m.down_proj for m in mlps)
     assert not any(norm.fp8_output for norm, _ in pairs)  # emulated: off
     assert not any(m.fp8_activation for m in mlps)
-    plain = [r.token_ids for r in pipe(PROMPTS, max_new_tokens=8, do_sample=False)]
+    def generate() -> list[list[int]]:  # a batch, and one prompt alone (its decode steps are one row)
+        return [r.token_ids for r in [*pipe(PROMPTS, max_new_tokens=8, do_sample=False),
+                                      *pipe(PROMPTS[:1], max_new_tokens=8, do_sample=False)]]  # fmt: skip
+
+    plain = generate()
     for norm, _ in pairs:
         norm.fp8_output = True
     for mlp in mlps:
         mlp.fp8_activation = True
-    fused = [r.token_ids for r in pipe(PROMPTS, max_new_tokens=8, do_sample=False)]
-    assert fused == plain
+    assert generate() == plain
     pipe.destroy()
 
 
