@@ -65,10 +65,12 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-def logits_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def logits_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """The LM head: x [T, K] @ weight [N, K]^T -> float32 [T, N], the product rounded to x's dtype
-    first (as transformers computes logits in the model's dtype; the sampler reads float32)."""
-    return F.linear(x, weight).float()
+    first (as transformers computes logits in the model's dtype; the sampler reads float32).
+    ``scale`` [N, 1]: the weight is int8 (``int8_linear``'s product)."""
+    product = F.linear(x, weight) if scale is None else int8_linear(x, weight, scale)
+    return product.float()
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -228,10 +228,14 @@ LOGITS_TILES = (16, 128, 128, 4, 3)
 
 
 def logits_linear(
-    x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, int, int, int] | None = None
-) -> torch.Tensor:
-    """float32 logits of x [M, K] @ weight [N, K]^T: see ``reference.logits_linear``. ``tiles``:
-    instead of the one-row kernel's (one row) or ``LOGITS_TILES`` (for the tile sweep)."""
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+    tiles: tuple[int, int, int, int, int] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """float32 logits of x [M, K] @ weight [N, K]^T: see ``reference.logits_linear``. ``scale``: an int8
+    head's [N, 1] (``quantization.lm_head``), whose product runs in ``weight_only_linear`` at any row count.
+    ``tiles``: instead of the one-row kernel's (one row) or ``LOGITS_TILES`` (for the tile sweep)."""
+    if scale is not None:
+        return weight_only_linear(x, weight, scale, None, False, out_dtype=torch.float32)
     if not few_row_product(x, weight):
         return torch.nn.functional.linear(x, weight).float()
     if tiles is not None or x.shape[0] > 1:

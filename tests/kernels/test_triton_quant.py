@@ -349,6 +349,24 @@ def test_logits_linear_rounds_the_product_to_the_model_dtype(dtype: torch.dtype,
         assert torch.equal(got, torch.nn.functional.linear(x, weight).float())
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_logits_linear_of_an_int8_head(dtype: torch.dtype, rows: int) -> None:
+    """An int8 head with its per-row scales (``quantization.lm_head``): the reference's logits exactly,
+    the scaled product rounded to x's dtype and stored as float32, at one row and at few."""
+    from mii_server.kernels import reference, triton_quant
+
+    n, k = (32003, 4096) if ON_GPU else (300, 600)
+    # small integers and power-of-two scales: every sum and scaling is exact whatever the order
+    x = torch.randint(0, 4, (rows, k), device=DEVICE).to(dtype)
+    weight = torch.randint(-8, 9, (n, k), device=DEVICE, dtype=torch.int8)
+    scale = 2.0 ** torch.randint(-6, 0, (n, 1), device=DEVICE).float()
+    got = triton_quant.logits_linear(x, weight, scale)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    assert torch.equal(got, reference.logits_linear(x, weight, scale))
+
+
 # (hidden, intermediate) of the fused gate_up: Llama-3-8B on the GPU; on the CPU a hidden size over
 # several K steps and an intermediate size, each leaving its last tile partial
 GATED_SHAPE = (4096, 14336) if ON_GPU else (300, 84)
