@@ -18,7 +18,8 @@
   ``rotary_kv_append`` (and with fp8 weights, against the fp8 GEMM then ``rotary_kv_append``);
   ``--sweep fused`` also times every tile shape of the fused kernels.
 - ``--logits``: the LM head writing float32 logits in one launch (``triton_quant.logits_linear``)
-  against cuBLAS then the float cast; ``--sweep logits`` also times every tile shape.
+  against cuBLAS then the float cast; ``--sweep logits`` also times every tile shape. Then the head's
+  int8 copy (``quantization.lm_head``) against the 16-bit head, at the same rows.
 - ``--argmax``: the sampler's greedy argmax over a 128,256-entry vocabulary at 1-256 rows, torch's
   against ours (``triton_argmax``), each checked against the other first.
 - ``--blas``: Llama-3-8B's linear layers at 1, 256 and 8192 rows through cuBLAS and cuBLASLt, against
@@ -54,6 +55,8 @@ from mii_server.kernels import (
 )
 from mii_server.kernels.metadata import AttentionMetadata
 from mii_server.kernels.reference_quant import Fp8Rows
+from mii_server.quantization.lm_head import INT8_HEAD_MAX_ROWS
+from mii_server.quantization.quantize import quantize_int8
 
 HBM_BYTES_PER_S = 4.24e12  # measured device-to-device copy rate on the H200
 BF16_FLOPS = 790e12  # measured dense bf16 matmul rate on the H200
@@ -598,6 +601,27 @@ def bench_logits(rows_list: tuple[int, ...], sweep: bool) -> list[dict]:
             for m in rows_list]  # fmt: skip
 
 
+def bench_int8_logits(rows_list: tuple[int, ...]) -> list[dict]:
+    """Llama-3-8B's LM head and its int8 copy (``quantization.lm_head``), both through
+    ``triton_quant.logits_linear``, microseconds per head (CUDA-graph replay over 2 copies), each
+    checked first against the reference; the copy is read at up to ``INT8_HEAD_MAX_ROWS`` rows."""
+    n, k = LINEAR_SHAPES["lm_head"]
+    heads = [(torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16) for _ in range(2)]
+    copies = [quantize_int8(head.float(), 0, k) for head in heads]
+    out = []
+    for m in rows_list:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        codes, scale = copies[0]
+        torch.testing.assert_close(
+            triton_quant.logits_linear(x, codes, scale), reference.logits_linear(x, codes, scale), atol=2e-2, rtol=2e-2
+        )  # fmt: skip
+        bf16_us = _graph_us(lambda x=x: [triton_quant.logits_linear(x, head) for head in heads], len(heads))
+        int8_us = _graph_us(lambda x=x: [triton_quant.logits_linear(x, c, s) for c, s in copies], len(copies))
+        out.append(_report(f"logits_int8_m{m}", int8_us / 1e3, bf16_us=bf16_us, int8_us=int8_us,
+                           floor_us=n * k / HBM_BYTES_PER_S * 1e6, read_by_model=m <= INT8_HEAD_MAX_ROWS))  # fmt: skip
+    return out
+
+
 def bench_argmax(vocab: int = 128256) -> list[dict]:
     """torch's row-wise argmax against ``triton_argmax.argmax_rows`` on float32 logits: launched as the
     sampler launches them (``do_bench``) and on the device alone (replayed in a CUDA graph)."""
@@ -685,6 +709,7 @@ def main() -> None:
         rows += bench_fused_qkv_rotary(tuple(args.gemm_rows), "fused" in (args.sweep or ()), fp8=True)
     if args.logits or "logits" in (args.sweep or ()):
         rows += bench_logits(tuple(args.gemm_rows), "logits" in (args.sweep or ()))
+        rows += bench_int8_logits(tuple(args.gemm_rows))
     if args.argmax:
         rows += bench_argmax()
     if args.blas:

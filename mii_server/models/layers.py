@@ -157,9 +157,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, hidden, tp, dtype)
         self._logits = reference.logits_linear if ops is None else ops.logits_linear
 
+    def shard_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> float32 [S, shard_rows]
+        return self._logits(hidden, self.weight)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> float32 [S, vocab]
-        logits = self._logits(hidden, self.weight)
-        return self.tp.all_gather_last_dim(logits)[:, : self.vocab_size]
+        return self.tp.all_gather_last_dim(self.shard_logits(hidden))[:, : self.vocab_size]
 
 
 class RMSNorm(nn.Module):

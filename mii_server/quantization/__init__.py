@@ -4,7 +4,8 @@ The loader calls three things, in order: ``resolve_scheme`` (what the checkpoint
 for, refused early when it cannot run), ``quantize_model`` (swap the model's linears for quantized
 twins before any weight loads) and ``checkpoint_tensors`` (the checkpoint's tensor names as the
 quantized layers expect them). See ``scheme`` for the formats, ``linear`` for the layers and their
-tensor-parallel sharding, ``quantize`` for load-time quantization.
+tensor-parallel sharding, ``quantize`` for load-time quantization, ``lm_head`` for the LM head's int8
+copy (CUDA only).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 
 from ..kernels import get_ops, reference
 from .linear import QuantizedColumnParallelLinear, QuantizedRowParallelLinear, quantize_linears
+from .lm_head import add_int8_head_copies
 from .scheme import QUANTIZATION_MODES, QuantScheme, fp8_supported, resolve_scheme
 
 __all__ = [
@@ -33,10 +35,13 @@ _UNUSED_SUFFIXES = (".input_scale", ".activation_scale")
 
 def quantize_model(model: nn.Module, scheme: QuantScheme, device: torch.device) -> None:
     """Swap ``model``'s linears (built, not loaded) for quantized twins using ``device``'s kernels
-    (the reference ops for fp8 on a device without fp8 tensor cores). Weight-only int8 and FP6 in
+    (the reference ops for fp8 on a device without fp8 tensor cores); on CUDA, give its LM head an int8
+    copy for decode's few rows (``lm_head``). Weight-only int8 and FP6 in
     Triton turn programmatic dependent launch off for the process (``kernels.pdl``: measured slower)."""
     ops = reference if scheme.emulated else get_ops(device)
     count = quantize_linears(model, scheme, ops)
+    if device.type == "cuda":  # the head keeps its dtype and gains an int8 copy for few-row steps
+        add_int8_head_copies(model, get_ops(device))
     if scheme.weight_format in ("int8", "fp6") and ops is not reference:
         from ..kernels.pdl import off_for_weight_only_models  # why here: Triton is imported only with its ops
 
