@@ -124,18 +124,36 @@ def _weight_only_gemm_kernel(
     store_gemm_tile(acc, out_ptr, bias_ptr, rm, rn, m_ok, n_ok, stride_om, HAS_BIAS)
 
 
-def _tiles(m: int, k: int, element_size: int, fp6: bool) -> tuple[int, int, int, int, int]:
+def _tiles(m: int, n: int, k: int, element_size: int, fp6: bool, sms: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for an M-row product. One row of an int8 or 16-bit
     weight: BLOCK_M 1 means ``triton_one_row``'s kernel with its tiles (the stages unused). Few rows:
     narrow N tiles so that a weight-bound product has enough programs to keep every SM reading; FP6's
-    BLOCK_K counts bytes of one plane (four times as many columns)."""
+    BLOCK_K counts bytes of one plane (four times as many columns). From 65 rows, int8 (measured at
+    256 rows on an H100, ``INT8_WIDE_TILES``): 128 x 64 tiles with a deeper K step where they fill the
+    SMs in one wave, 128 x 128 tiles of 8 warps where 128-column tiles fall short of one program per
+    SM, 128 x 128 of 4 warps on wider outputs."""
     if m == 1 and not fp6:
         return 1, *one_row_tiles(k, element_size), 1
     if m <= 16:
         return 16, 32, 64 if fp6 else 256, 4, 4
     if m <= 64:
         return 64, 64, 32 if fp6 else 128, 4, 4
-    return 128, 128, 32 if fp6 else 64, 8, 3
+    if fp6:
+        return 128, 128, 32, 8, 3
+    narrow, short_grid, wide = INT8_WIDE_TILES
+    if triton.cdiv(n, narrow[1]) * triton.cdiv(m, narrow[0]) <= sms:
+        return narrow
+    if triton.cdiv(n, 128) * triton.cdiv(m, 128) < sms:
+        return short_grid
+    return wide
+
+
+# (narrow, short grid, wide) tiles of the int8 GEMM from 65 rows. At 256 rows on an H100, us against
+# the 8-warp 128 x 128 tiles every shape had before (scratch micro-benchmarks, docs/BENCHMARKS.md):
+# o_proj 4096 x 4096 29.8 against 51.8 and down 4096 x 14336 100.2 against 178.5 (narrow: 128
+# programs, one wave); qkv 6144 x 4096 keeps the short grid's 51.3 (narrow: 192 programs, 57.1);
+# gate_up 28672 x 4096 157.2 against 172.0, the LM head's int8 copy at 128 rows 346.2 against 381.1
+INT8_WIDE_TILES = ((128, 64, 128, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4))
 
 
 def weight_only_linear(
@@ -157,7 +175,7 @@ def weight_only_linear(
     assert x.stride(-1) == 1 and weight.stride(-1) == 1, "the last dimension must be contiguous"
     if m == 0:
         return torch.empty((0, n), dtype=out_dtype, device=x.device)
-    bm, bn, bk, warps, stages = tiles or _tiles(m, k, weight.element_size(), fp6)
+    bm, bn, bk, warps, stages = tiles or _tiles(m, n, k, weight.element_size(), fp6, _num_sms(x.device))
     if bm == 1:
         assert m == 1 and not fp6, "the one-row kernel takes one row of an int8 or 16-bit weight"
         return one_row_linear(x, weight, scale, bias, None, out_dtype, (bn, bk, warps))

@@ -351,13 +351,16 @@ def test_logits_linear_rounds_the_product_to_the_model_dtype(dtype: torch.dtype,
 
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 7, 64])
-def test_logits_linear_of_an_int8_head(dtype: torch.dtype, rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 7, 64, 128])
+@pytest.mark.parametrize("vocab", [32003] if ON_GPU else [300, 600])
+def test_logits_linear_of_an_int8_head(dtype: torch.dtype, rows: int, vocab: int) -> None:
     """An int8 head with its per-row scales (``quantization.lm_head``): the reference's logits exactly,
-    the scaled product rounded to x's dtype and stored as float32, at one row and at few."""
+    the scaled product rounded to x's dtype and stored as float32, at one row and at every row count
+    the head's copy is read at. On the CPU (4 "SMs") 128 rows take the int8 GEMM's short-grid tiles
+    over 300 columns and its wide ones over 600 (``INT8_WIDE_TILES``)."""
     from mii_server.kernels import reference, triton_quant
 
-    n, k = (32003, 4096) if ON_GPU else (300, 600)
+    n, k = vocab, 4096 if ON_GPU else 600
     # small integers and power-of-two scales: every sum and scaling is exact whatever the order
     x = torch.randint(0, 4, (rows, k), device=DEVICE).to(dtype)
     weight = torch.randint(-8, 9, (n, k), device=DEVICE, dtype=torch.int8)
