@@ -19,7 +19,7 @@ from torch import nn
 
 from ..kernels import get_ops, reference
 from .linear import QuantizedColumnParallelLinear, QuantizedRowParallelLinear, quantize_linears
-from .lm_head import add_int8_head_copies
+from .lm_head import INT8_HEAD_MAX_ROWS, add_int8_head_copies
 from .scheme import QUANTIZATION_MODES, QuantScheme, fp8_supported, resolve_scheme
 
 __all__ = [
@@ -36,19 +36,22 @@ _UNUSED_SUFFIXES = (".input_scale", ".activation_scale")
 def quantize_model(model: nn.Module, scheme: QuantScheme, device: torch.device) -> None:
     """Swap ``model``'s linears (built, not loaded) for quantized twins using ``device``'s kernels
     (the reference ops for fp8 on a device without fp8 tensor cores); on CUDA, give its LM head an int8
-    copy for decode's few rows (``lm_head``). Weight-only int8 and FP6 in
-    Triton turn programmatic dependent launch off for the process (``kernels.pdl``: measured slower)."""
+    copy for decode's few rows (``lm_head``). Weight-only int8 and FP6 in Triton turn programmatic
+    dependent launch off for the process (``kernels.pdl``: measured slower)."""
     ops = reference if scheme.emulated else get_ops(device)
     count = quantize_linears(model, scheme, ops)
-    if device.type == "cuda":  # the head keeps its dtype and gains an int8 copy for few-row steps
-        add_int8_head_copies(model, get_ops(device))
+    # the head keeps its dtype and gains an int8 copy for few-row steps
+    head_copies = add_int8_head_copies(model, get_ops(device)) if device.type == "cuda" else 0
     if scheme.weight_format in ("int8", "fp6") and ops is not reference:
         from ..kernels.pdl import off_for_weight_only_models  # why here: Triton is imported only with its ops
 
         off_for_weight_only_models()
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the full-precision placeholders' memory goes back to the device
-    log.info("quantized %d linear layers to %s (%s)", count, scheme.weight_format, scheme.origin)
+    log.info(
+        "quantized %d linear layers to %s (%s); %d LM head(s) with an int8 copy for steps of <= %d rows",
+        count, scheme.weight_format, scheme.origin, head_copies, INT8_HEAD_MAX_ROWS,
+    )  # fmt: skip
 
 
 def checkpoint_tensors(weights: Iterable[tuple[str, Any]], scheme: QuantScheme) -> Iterator[tuple[str, Any]]:

@@ -11,7 +11,7 @@ H100 (CUDA-graph replay; ``PYTHONPATH=. python3 bench/kernels_bench.py --no-atte
 | 1 | 333.7 | 172.7 |
 | 16 | 353.6 | 187.4 |
 | 64 | 417.5 | 281.8 |
-| 128 | 451.1 | 380.6 |
+| 128 | 451.1 | 380.6 (346.2 with the int8 GEMM's later tiles, ``INT8_WIDE_TILES``) |
 | 256 | 560.9 (cuBLAS) | 766.8 |
 
 Between 128 and 256 rows Triton's weight-only GEMM falls behind cuBLAS, so the model-dtype head stays,
