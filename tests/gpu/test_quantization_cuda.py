@@ -131,3 +131,20 @@ def test_fp8_kv_cache_matches_reference(checkpoint: Path, monkeypatch) -> None:
     monkeypatch.setenv("MII_SERVER_KERNELS", "reference")
     reference = generate(checkpoint, kv_cache={"dtype": "fp8", "num_blocks": 64, "block_size": 16})
     assert common_prefix(reference, triton) >= 0.8
+
+
+def test_a_quantized_head_keeps_an_int8_copy_that_few_rows_read(checkpoint: Path) -> None:
+    """On CUDA the LM head of a quantized model gains its int8 copy (``quantization.lm_head``); a step
+    of few rows gets the copy's logits (Triton's against the reference twin), a wide one the head's."""
+    from mii_server.kernels import reference
+    from mii_server.models import load_model
+    from mii_server.quantization.lm_head import INT8_HEAD_MAX_ROWS, Int8CopyLMHead
+
+    head = load_model(checkpoint, "bfloat16", torch.device("cuda"), quantization_mode="int8").model.lm_head
+    assert isinstance(head, Int8CopyLMHead) and head.int8_weight.dtype == torch.int8
+    hidden = head.weight.shape[1]
+    for rows, weight, scale in [(1, head.int8_weight, head.int8_scale), (3, head.int8_weight, head.int8_scale),
+                                (INT8_HEAD_MAX_ROWS + 1, head.weight, None)]:  # fmt: skip
+        x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+        # one bf16 rounding of the logits apart at most (summation order)
+        torch.testing.assert_close(head(x), reference.logits_linear(x, weight, scale), atol=2e-2, rtol=1.6e-2)
