@@ -20,10 +20,11 @@ and steps of more than ``INT8_HEAD_MAX_ROWS`` rows use it: the copy costs a quar
 batch 1 on the same H100: 3.278 ms a token against 3.434-3.441 without the copy (-4.6%,
 ``bench/gpu_benchmark.py --only latency --no-hf --quantization-mode fp8``).
 
-Accuracy (tiny random Llamas, each position's greedy token against an exact float32 head): the int8
-head moves the chosen token's log-probability by 0.0031 / 0.0016 nats and changes 1.4% / 1.8% of
-greedy tokens, where rounding the head to bf16 alone moves it by 0.0028 / 0.0016 and changes 0.6% /
-2.3%; an fp8 head (W8A8) moved it by 0.0192 / 0.0115, which is why the copy is int8.
+Accuracy (``bench/lm_head_fp8.py --accuracy``: two tiny random Llamas, each position's greedy token
+against an exact float32 head): the int8 copy with bf16 logits moves the chosen token's
+log-probability by 0.0041 / 0.0021 nats and changes 1.2% / 2.2% of greedy tokens, where the bf16 head
+moves it by 0.0028 / 0.0016 and changes 0.6% / 2.3%; an fp8 head (W8A8) moves it by 0.0192 / 0.0115,
+which is why the copy is int8.
 
 Installed on CUDA devices only, for every quantized model (``quantize_model``): a quantized model
 already trades the last bits of its products for bytes. On the CPU the reference ops would dequantize

@@ -41,7 +41,8 @@ _FP8_GEMMS = ("auto", "triton", "scaled_mm")
 
 @dataclass(frozen=True)
 class QuantScheme:
-    """How the decoder's linear layers store their weights (the embedding and LM head never change)."""
+    """How the decoder's linear layers store their weights (the embedding and LM head keep the model
+    dtype; on CUDA the head also gains an int8 copy, see ``lm_head``)."""
 
     weight_format: WeightFormat
     prequantized: bool  # weights and scales come from the checkpoint; else quantized as they load
