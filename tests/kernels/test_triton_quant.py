@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 
 from mii_server.kernels import reference_quant
 from mii_server.kernels.fp6_format import fp6_encode, fp6_values, pack_fp6, unpack_fp6
+from mii_server.kernels.triton_quant import INT8_MIDDLE_TILES
 from mii_server.quantization.quantize import quantize_fp6, quantize_fp8, quantize_int8
 
 ON_GPU = torch.cuda.is_available()
@@ -121,6 +122,32 @@ def test_weight_only_large_batches_dequantize(fmt: str, monkeypatch: pytest.Monk
     x = torch.randn(9, k, device=DEVICE).to(DTYPES[0])
     got = getattr(triton_quant, f"{fmt}_linear")(x, weight, scale)
     torch.testing.assert_close(got, getattr(reference_quant, f"{fmt}_linear")(x, weight, scale), **TOL[DTYPES[0]])
+
+
+@needs_triton
+@pytest.mark.parametrize("rows", [20, 40])
+@pytest.mark.parametrize("tiles", [t for pair in INT8_MIDDLE_TILES for t in pair])
+def test_int8_linear_middle_row_tiles(rows: int, tiles: tuple[int, int, int, int, int]) -> None:
+    """Each tile shape the int8 GEMM takes at 17-64 rows gives the reference's product."""
+    from mii_server.kernels import triton_quant
+
+    n, k = SHAPES[1]
+    weight, scale = quantize_int8(_weight(n, k), 0, k)
+    x = torch.randn(rows, k, device=DEVICE).to(DTYPES[0])
+    got = triton_quant.weight_only_linear(x, weight, scale, None, False, tiles)
+    torch.testing.assert_close(got, reference_quant.int8_linear(x, weight, scale), **TOL[DTYPES[0]])
+
+
+def test_int8_middle_rows_take_narrow_tiles_while_their_grid_is_small() -> None:
+    """At 17-32 rows the 16 x 32 tiles up to 4 programs per SM, at 33-64 the 32 x 64 ones up to one;
+    wider products take the wide tiles. (Llama-3-8B's products on 132 SMs, as measured.)"""
+    from mii_server.kernels.triton_quant import _tiles
+
+    (narrow_32, wide_32), (narrow_64, wide_64) = INT8_MIDDLE_TILES
+    for n, at_32, at_64 in [(4096, narrow_32, narrow_64), (6144, narrow_32, wide_64), (28672, wide_32, wide_64)]:
+        assert _tiles(32, n, 4096, 1, False, 132) == at_32
+        assert _tiles(64, n, 4096, 1, False, 132) == at_64
+    assert _tiles(32, 4096, 4096, 2, False, 132) == (64, 64, 128, 4, 4), "16-bit weights keep their tiles"
 
 
 # ---- fp8 -------------------------------------------------------------------------------------------
