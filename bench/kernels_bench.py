@@ -11,8 +11,9 @@
   paged cache where installed, FlashAttention-2 varlen, cuDNN varlen, dense and per sequence, SDPA's
   backends), each checked first.
 - ``--gemm``: the same linears at decode's few rows, cuBLAS against our Triton GEMMs on bf16 (where
-  ``dense_linear`` takes them), int8 and fp8 weights, each against its weight-read floor;
-  ``--sweep gemm`` times every tile shape of the Triton GEMMs instead of their defaults.
+  ``dense_linear`` takes them), int8 and fp8 weights (fp8 also through ``torch._scaled_mm``), each
+  against its weight-read floor; ``--sweep gemm`` times every tile shape of the Triton GEMMs instead
+  of their defaults (from 17 rows, tiles as wide as the rows too).
 - ``--fused``: gate_up with its activation in one launch (``triton_fused_linear``) against cuBLAS then
   the activation kernel, and q/k/v with rotary and the KV append against cuBLAS then
   ``rotary_kv_append`` (and with fp8 weights, against the fp8 GEMM then ``rotary_kv_append``);
@@ -414,6 +415,9 @@ def _gemm_tiles(fp8: bool, rows: int) -> list[tuple[int, int, int, int, int]]:
     tiles += [(16, 32, ks[1], 8, 4), (16, 64, ks[1], 8, 3), (16, 128, ks[0], 8, 3)]
     if rows == 1:
         tiles += ONE_ROW_TILES
+    if rows > 16:  # compute-bound rows: tiles as wide as the rows
+        tiles += [(bm, bn, 128 if fp8 else 64, w, s) for bm in (64, 128) for bn in (64, 128, 256)
+                  for w, s in ((4, 3), (4, 4), (8, 3), (8, 4))]  # fmt: skip
     return tiles
 
 
@@ -448,8 +452,8 @@ def _sweep_gemm(
 def bench_decode_gemms(rows_list: tuple[int, ...], sweep: bool) -> list[dict]:
     """The model's linears at decode's few rows: cuBLAS on bf16 weights against our Triton GEMMs on
     bf16 (``dense_linear``, where it takes the product; the weight-only kernel on a bf16 weight when
-    sweeping), int8 (weight-only) and fp8 (activations quantized per token) weights; ``sweep``: over
-    every tile configuration.
+    sweeping), int8 (weight-only) and fp8 (activations quantized per token; the Triton GEMM and
+    ``torch._scaled_mm``) weights; ``sweep``: over every tile configuration.
     CUDA-graph replay over 8 copies of each weight (so L2 holds none); microseconds per product and the
     fraction of the weight-read floor."""
     out = []
@@ -480,6 +484,11 @@ def bench_decode_gemms(rows_list: tuple[int, ...], sweep: bool) -> list[dict]:
                 f"gemm_{name}_m{m}_fp8", functools.partial(_fp8, q, x_scale, scale), weights["fp8"],
                 floor_us / 2, True, sweep, m,
             )  # fmt: skip
+            scaled_mm_us = _each_weight_us(
+                functools.partial(triton_fp8.fp8_gemm_scaled_mm, q, x_scale, scale=scale, bias=None,
+                                  out_dtype=torch.bfloat16), weights["fp8"])  # fmt: skip
+            out.append(_report(f"gemm_{name}_m{m}_fp8_scaled_mm", scaled_mm_us / 1e3, us=scaled_mm_us,
+                               frac_floor=floor_us / 2 / scaled_mm_us))  # fmt: skip
     return out
 
 
