@@ -8,6 +8,8 @@ sharded safetensors with a 128,256-word tokenizer), then measures
 3. variable: 512 requests, prompts uniform in [64, 2048], outputs uniform in [32, 512] (tokens/s,
    time to first token p50 / p99, preemptions);
 4. kernels: the paged-attention micro-benchmarks of ``bench/kernels_bench.py``;
+5. batches (only when named in ``--only``): decode steps at ``--decode-batches`` sequences of 512-token
+   prompts, 128 new tokens each (ms a step, twice: the middle rows between batch 1 and throughput);
 
 and the same model in transformers ``generate`` as the baseline (kept short: generation times at two
 lengths, extrapolated linearly to 256 tokens). Every figure is printed beside its roofline and as a
@@ -45,6 +47,7 @@ BF16_FLOPS = 790e12  # measured dense bf16 matmul rate on the H200
 
 SHAPE = LLAMA3_8B
 SCENARIOS = ("kernels", "throughput", "latency", "variable")
+EXTRA_SCENARIOS = ("batches",)  # run only when named in --only
 RESULTS: list[dict[str, Any]] = []
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only for a smoke test at a tiny shape
 
@@ -279,6 +282,16 @@ def run_ours(path: Path, args: argparse.Namespace, hf: dict[str, float]) -> None
             times = next(iter(tracker.times.values()))
             report("latency_eager", ms_per_token=(times[-1] - times[0]) / (len(times) - 1) * 1e3)
 
+    if "batches" in args.only:
+        for batch in args.decode_batches:
+            ms = []
+            for _ in range(2):  # the first run warms up what the other scenarios did not
+                _, tracker, _ = drive(loop, random_prompts(rng, [512] * batch), [128] * batch)
+                times = next(iter(tracker.times.values()))
+                ms.append((times[-1] - times[0]) / (len(times) - 1) * 1e3)
+            report("decode_batch", batch=batch, prompt=512, output=128, ms_per_step=ms[-1],
+                   warmup_ms_per_step=ms[0], output_tokens_per_s=batch / ms[-1] * 1e3)  # fmt: skip
+
     if "variable" in args.only:
         vrng = torch.Generator().manual_seed(1)
         n = 512
@@ -367,8 +380,12 @@ def profile(loop: Any, rng: torch.Generator, names: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--only", nargs="+", choices=SCENARIOS, default=list(SCENARIOS), help="scenarios to run"
+        "--only", nargs="+", choices=SCENARIOS + EXTRA_SCENARIOS, default=list(SCENARIOS), help="scenarios to run"
     )
+    parser.add_argument(
+        "--decode-batches", type=int, nargs="+", default=[16, 24, 32, 48, 64],
+        help="sequences of the batches scenario's decode steps",
+    )  # fmt: skip
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--no-graphs", action="store_true", help="run our engine without CUDA graphs")
     parser.add_argument(
@@ -428,7 +445,7 @@ def main() -> None:
     path = write_random_llama(Path(args.weights))
     report("checkpoint_ready", seconds=time.perf_counter() - start, path=str(path))
     hf = {} if args.no_hf or not {"throughput", "latency"} & set(args.only) else run_hf(path, args)
-    if {"throughput", "latency", "variable"} & set(args.only):
+    if {"throughput", "latency", "variable", "batches"} & set(args.only):
         run_ours(path, args, hf)
     if args.json:
         Path(args.json).write_text(json.dumps(RESULTS, indent=1))
