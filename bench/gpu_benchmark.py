@@ -178,6 +178,12 @@ class Tracker:
         if update.finished:
             self.done[update.uid] = now
 
+    def ms_per_step(self) -> float:
+        """Milliseconds between the first request's updates, its first token to its last: a decode
+        step's time when every request runs in the same steps."""
+        times = next(iter(self.times.values()))
+        return (times[-1] - times[0]) / (len(times) - 1) * 1e3
+
 
 def drive(loop: Any, prompts: list[list[int]], outputs: list[int]) -> tuple[float, Tracker, dict[int, float]]:
     """Submit every prompt at once and step the loop until all finish; returns (seconds, tracker,
@@ -266,8 +272,7 @@ def run_ours(path: Path, args: argparse.Namespace, hf: dict[str, float]) -> None
         for _ in range(2):  # the first run warms up whatever the throughput run did not
             with StepTimeline(loop) as timeline:
                 _, tracker, _ = drive(loop, random_prompts(rng, [512]), [256])
-            times = next(iter(tracker.times.values()))
-            per_token.append((times[-1] - times[0]) / (len(times) - 1) * 1e3)
+            per_token.append(tracker.ms_per_step())
         weight_bytes = BODY_PARAMS * BODY_BYTES_PER_PARAM[args.quantization_mode] + HEAD_PARAMS * 2
         floor_ms = weight_bytes / HBM_BYTES_PER_S * 1e3  # the H200's: on another device, compare runs only
         ms = per_token[-1]
@@ -279,16 +284,14 @@ def run_ours(path: Path, args: argparse.Namespace, hf: dict[str, float]) -> None
             engine.use_cuda_graphs = False
             _, tracker, _ = drive(loop, random_prompts(rng, [512]), [256])
             engine.use_cuda_graphs = True
-            times = next(iter(tracker.times.values()))
-            report("latency_eager", ms_per_token=(times[-1] - times[0]) / (len(times) - 1) * 1e3)
+            report("latency_eager", ms_per_token=tracker.ms_per_step())
 
     if "batches" in args.only:
         for batch in args.decode_batches:
             ms = []
             for _ in range(2):  # the first run warms up what the other scenarios did not
                 _, tracker, _ = drive(loop, random_prompts(rng, [512] * batch), [128] * batch)
-                times = next(iter(tracker.times.values()))
-                ms.append((times[-1] - times[0]) / (len(times) - 1) * 1e3)
+                ms.append(tracker.ms_per_step())
             report("decode_batch", batch=batch, prompt=512, output=128, ms_per_step=ms[-1],
                    warmup_ms_per_step=ms[0], output_tokens_per_s=batch / ms[-1] * 1e3)  # fmt: skip
 
@@ -318,8 +321,7 @@ def run_ours(path: Path, args: argparse.Namespace, hf: dict[str, float]) -> None
         seconds, _, _ = drive(loop, random_prompts(rng, [p] * n), [o] * n)
         report("throughput_sync", output_tokens_per_s=n * o / seconds, seconds=seconds)
         _, tracker, _ = drive(loop, random_prompts(rng, [512]), [256])
-        times = next(iter(tracker.times.values()))
-        report("latency_sync", ms_per_token=(times[-1] - times[0]) / (len(times) - 1) * 1e3)
+        report("latency_sync", ms_per_token=tracker.ms_per_step())
         loop.overlap = True
 
     if args.profile:

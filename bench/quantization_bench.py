@@ -68,8 +68,7 @@ def batch1_ms(loop: Any, rng: torch.Generator, prompt: int, output: int) -> floa
     """ms per output token of one request, after a run of the same shape."""
     for _ in range(2):
         _, tracker, _ = drive(loop, random_prompts(rng, [prompt]), [output])
-    times = next(iter(tracker.times.values()))
-    return (times[-1] - times[0]) / (len(times) - 1) * 1e3
+    return tracker.ms_per_step()
 
 
 def agreement(reference: list[list[int]], other: list[list[int]]) -> dict[str, float]:

@@ -130,9 +130,9 @@ def _tiles(m: int, n: int, k: int, element_size: int, fp6: bool, sms: int) -> tu
     narrow N tiles so that a weight-bound product has enough programs to keep every SM reading; FP6's
     BLOCK_K counts bytes of one plane (four times as many columns). At 17-64 rows, int8 chooses by the
     grid's size (``INT8_MIDDLE_TILES``); 16-bit and FP6 weights take 64 x 64 tiles. From 65 rows,
-    int8 (measured at 256 rows on an H100, ``INT8_WIDE_TILES``): 128 x 64 tiles with a deeper K step where they fill the
-    SMs in one wave, 128 x 128 tiles of 8 warps where 128-column tiles fall short of one program per
-    SM, 128 x 128 of 4 warps on wider outputs."""
+    int8 (measured at 256 rows on an H100, ``INT8_WIDE_TILES``): 128 x 64 tiles with a deeper K step
+    where they fill the SMs in one wave, 128 x 128 tiles of 8 warps where 128-column tiles fall short
+    of one program per SM, 128 x 128 of 4 warps on wider outputs."""
     if m == 1 and not fp6:
         return 1, *one_row_tiles(k, element_size), 1
     if m <= 16:
@@ -151,21 +151,24 @@ def _tiles(m: int, n: int, k: int, element_size: int, fp6: bool, sms: int) -> tu
     return wide
 
 
-# (narrow, wide) tiles of the int8 GEMM at 17-32 rows, then at 33-64. At 32 rows on an H100, us against
+# (most rows, programs per SM the narrow tiles may have, narrow tiles, wide tiles) of the int8 GEMM
+# at 17-32 rows, then at 33-64. At 32 rows on an H100, us against
 # the 64 x 64 x 128 tiles every shape had before (scratch sweep of 8 shapes, docs/BENCHMARKS.md
 # 2026-12-06): o_proj 4096 x 4096 12.29 against 22.22, down 4096 x 14336 37.10 against 72.14, qkv
 # 6144 x 4096 16.51 against 22.35 (16-row tiles: up to 4 programs per SM), gate_up 28672 x 4096 51.69
 # against 64.45 (32 x 64: more would be too many programs); at 64 rows o_proj 18.91 against 23.54 and
 # down 60.64 against 77.97 (32 x 64 tiles: one program per SM), while qkv and gate_up, whose 32 x 64
 # grids take more than one wave, kept 64 x 64 (23.77 and 66.51, within 0.5% of the sweep's best)
-INT8_MIDDLE_TILES = (((16, 32, 256, 4, 3), (32, 64, 128, 4, 3)), ((32, 64, 128, 4, 3), (64, 64, 128, 4, 4)))
+INT8_MIDDLE_TILES = (
+    (32, 4, (16, 32, 256, 4, 3), (32, 64, 128, 4, 3)),
+    (64, 1, (32, 64, 128, 4, 3), (64, 64, 128, 4, 4)),
+)
 
 
 def _int8_middle_tiles(m: int, n: int, sms: int) -> tuple[int, int, int, int, int]:
-    """The int8 GEMM's tiles at 17-64 rows (``INT8_MIDDLE_TILES``): the narrow ones where their grid
-    has at most 4 programs per SM (17-32 rows) or one (33-64 rows), else the wide ones."""
-    narrow, wide = INT8_MIDDLE_TILES[m > 32]
-    programs_per_sm = 4 if m <= 32 else 1
+    """The int8 GEMM's tiles at 17-64 rows (``INT8_MIDDLE_TILES``): the narrow ones of the first row
+    range holding m while their grid has at most its programs per SM, else the wide ones."""
+    _, programs_per_sm, narrow, wide = next(entry for entry in INT8_MIDDLE_TILES if m <= entry[0])
     if triton.cdiv(n, narrow[1]) * triton.cdiv(m, narrow[0]) <= programs_per_sm * sms:
         return narrow
     return wide

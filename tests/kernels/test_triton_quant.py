@@ -126,7 +126,7 @@ def test_weight_only_large_batches_dequantize(fmt: str, monkeypatch: pytest.Monk
 
 @needs_triton
 @pytest.mark.parametrize("rows", [20, 40])
-@pytest.mark.parametrize("tiles", [t for pair in INT8_MIDDLE_TILES for t in pair])
+@pytest.mark.parametrize("tiles", [t for *_, narrow, wide in INT8_MIDDLE_TILES for t in (narrow, wide)])
 def test_int8_linear_middle_row_tiles(rows: int, tiles: tuple[int, int, int, int, int]) -> None:
     """Each tile shape the int8 GEMM takes at 17-64 rows gives the reference's product."""
     from mii_server.kernels import triton_quant
@@ -143,7 +143,7 @@ def test_int8_middle_rows_take_narrow_tiles_while_their_grid_is_small() -> None:
     wider products take the wide tiles. (Llama-3-8B's products on 132 SMs, as measured.)"""
     from mii_server.kernels.triton_quant import _tiles
 
-    (narrow_32, wide_32), (narrow_64, wide_64) = INT8_MIDDLE_TILES
+    (*_, narrow_32, wide_32), (*_, narrow_64, wide_64) = INT8_MIDDLE_TILES
     for n, at_32, at_64 in [(4096, narrow_32, narrow_64), (6144, narrow_32, wide_64), (28672, wide_32, wide_64)]:
         assert _tiles(32, n, 4096, 1, False, 132) == at_32
         assert _tiles(64, n, 4096, 1, False, 132) == at_64
