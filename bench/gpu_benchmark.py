@@ -209,7 +209,10 @@ def drive(loop: Any, prompts: list[list[int]], outputs: list[int]) -> tuple[floa
     return seconds, tracker, {r.uid: start for r in requests}
 
 
-def random_prompts(rng: torch.Generator, lens: list[int], vocab: int = SHAPE["vocab_size"]) -> list[list[int]]:
+def random_prompts(rng: torch.Generator, lens: list[int], vocab: int | None = None) -> list[list[int]]:
+    """Random token ids of ``lens`` lengths; ``vocab`` defaults to ``SHAPE``'s as it is at the call (a
+    caller may set a smaller shape, as ``quantization_bench.py --tiny`` does)."""
+    vocab = vocab or SHAPE["vocab_size"]
     return [torch.randint(3, vocab - 1, (n,), generator=rng).tolist() for n in lens]
 
 
