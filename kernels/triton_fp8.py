@@ -10,7 +10,7 @@ token: absmax pass, then the scaled cast). The product runs either
   block, expanded to one per row and 128 columns), applied to each K step's partial product. At one
   row, ``triton_one_row`` instead: the same product on the CUDA cores (see ``_tiles``).
 
-``gemm="auto"`` uses the Triton kernel for few rows (decode at small batch) and ``scaled_mm`` for many,
+``gemm="auto"`` uses the Triton kernel for up to 32 rows (decode at small batch) and ``scaled_mm`` above,
 where it applies (see ``fp8_linear``). Both need
 compute capability 8.9 or newer (fp8 tensor cores).
 """
@@ -29,7 +29,8 @@ from .triton_pointwise import to_fp8
 from .triton_quant import gemm_tile, store_gemm_tile
 
 FP8_GEMMS = ("auto", "triton", "scaled_mm")
-TRITON_MAX_ROWS = 16  # gemm="auto": the Triton GEMM's weight-bound tile regime (see _tiles)
+TRITON_MAX_ROWS = 32  # gemm="auto": the Triton GEMM up to here, torch._scaled_mm above (see fp8_linear)
+FEW_ROWS = 16  # the Triton GEMM's weight-bound tile regime (see _tiles)
 FP8_MMA_K = 32  # the K of one Hopper fp8 wgmma: accumulation is promoted to fp32 after each
 PREFETCH_K_TILES = 2  # few rows: K tiles of the weight asked of L2 before the PDL wait (see pdl.py)
 
@@ -118,13 +119,23 @@ def _tiles(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, int]:
     stages are unused). At one row on an H200, CUDA-graph replay over 8 weight copies, its tiles
     against the tensor-core ones above: o_proj 6.31 us against 8.56, gate_up 31.84 against 37.32,
     down 16.86 against 20.65; the best of 35 shapes was within 0.45 us of them on each
-    (docs/BENCHMARKS.md 2026-12-05)."""
+    (docs/BENCHMARKS.md 2026-12-05).
+
+    17-32 rows (two 16-row slices of the batch): the few-row tiles while the grid holds fewer than 4
+    programs per SM (a K step of 256 from 2 per SM), else 32 x 64 tiles. With them ``fp8_linear``
+    routes these rows to this kernel instead of ``torch._scaled_mm``: on an H100, fp8 decode steps of
+    24 sequences took 5.87 ms against 6.27, of 32 6.56 against 6.94 (docs/BENCHMARKS.md 2026-12-06)."""
     if m == 1:
         return 1, *one_row_tiles(k, 1), 1
-    if m <= 16:
+    if m <= FEW_ROWS:
         if triton.cdiv(n, 32) >= 4 * sms:
             return 16, 32, 256, 4, 3
         return 16, 32, 1024 if k >= 8192 else 512, 4, 3
+    if m <= 2 * FEW_ROWS:
+        programs = triton.cdiv(n, 32) * 2  # two 16-row slices of the batch
+        if programs >= 4 * sms:
+            return 32, 64, 128, 4, 4
+        return 16, 32, 256 if programs >= 2 * sms else 512, 4, 3
     if m <= 64:
         return 64, 64, 128, 4, 4
     return 128, 128, 128, 8, 3
@@ -149,7 +160,7 @@ def fp8_gemm_triton(
     if groups > 1:
         bk = min(bk, group_k)
         assert group_k % bk == 0, "fp8 weight scale groups must be a multiple of 16 columns"
-    prefetch = prefetch_lines(k, PREFETCH_K_TILES * bk) if m <= TRITON_MAX_ROWS else 0
+    prefetch = prefetch_lines(k, PREFETCH_K_TILES * bk) if m <= FEW_ROWS else 0
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
     _fp8_gemm_kernel[grid](
         q, x_scale, weight, scale, bias if bias is not None else scale, out,
@@ -185,12 +196,11 @@ def fp8_linear(
     """See ``reference_quant.fp8_linear``; ``gemm``: auto, triton or scaled_mm (scaled_mm needs one
     weight scale per output channel and falls back to the Triton kernel for group-wise scales).
 
-    ``auto``: the Triton kernel up to ``TRITON_MAX_ROWS`` rows, where a step only reads weights and its
+    ``auto``: the Triton kernel up to ``TRITON_MAX_ROWS`` rows, where a step mostly reads weights and its
     narrow tiles keep more of HBM busy, and ``scaled_mm`` above. Measured on one H200 (Llama-3-8B shape,
     docs/BENCHMARKS.md 2026-12-02): batch-1 decode 4.02 ms/token with Triton against 5.11 with
     scaled_mm; 256 x 512 / 256 throughput 13,126 tok/s with scaled_mm against 8,622 with Triton. The
-    crossover between 1 and 256 rows was not measured: 16 is where ``_tiles`` leaves its weight-bound
-    configuration. ``x`` given as ``Fp8Rows`` (from ``rms_norm_fp8``) skips the quantizer's launch, as
+    crossover, on an H100 (2026-12-06): 32 rows (see ``_tiles``); at 48 rows the two were equal. ``x`` given as ``Fp8Rows`` (from ``rms_norm_fp8``) skips the quantizer's launch, as
     does one 16-bit row for the Triton GEMM: the one-row kernel quantizes it as it reads it."""
     if not isinstance(x, Fp8Rows) and x.shape[0] == 1 and gemm != "scaled_mm":
         return one_row_linear(x, weight, scale, bias, quantize_x=True)

@@ -26,7 +26,7 @@ from .pdl import pdl_launch, pdl_prefetch_rows, pdl_release, pdl_wait, prefetch_
 from .reference import split_qkv
 from .reference_quant import Fp8Rows
 from .triton_attention import _dot_precision, _num_sms
-from .triton_fp8 import FP8_MMA_K, PREFETCH_K_TILES, TRITON_MAX_ROWS, fp8_linear, quantize_fp8_per_token
+from .triton_fp8 import FEW_ROWS, FP8_MMA_K, PREFETCH_K_TILES, fp8_linear, quantize_fp8_per_token
 from .triton_one_row import one_row_tiles, row_sums
 from .triton_pointwise import act_and_mul_values, gelu_tanh_and_mul, rotary_kv_append, silu_and_mul
 from .triton_quant import few_row_product, fit_k_step, gemm_tile
@@ -420,7 +420,7 @@ def fp8_linear_rotary_kv_append(
     rows = q8.shape[0]
     fused = (
         gemm in ("auto", "triton")
-        and 0 < rows <= TRITON_MAX_ROWS
+        and 0 < rows <= FEW_ROWS
         and scale.shape[1] == 1
         and q8.stride(-1) == 1
         and weight.stride(-1) == 1

@@ -176,6 +176,52 @@ def test_fp8_triton_gemm(groups: int, rows: int, dtype: torch.dtype) -> None:
     torch.testing.assert_close(got, reference_quant.fp8_linear(x, weight, scale, bias), **TOL[dtype])
 
 
+@needs_triton
+@pytest.mark.skipif(ON_GPU and not FP8_DEVICE, reason="no fp8 tensor cores")
+@pytest.mark.parametrize("rows", [17, 32])
+@pytest.mark.parametrize("tiles", [(16, 32, 256, 4, 3), (16, 32, 512, 4, 3), (32, 64, 128, 4, 4)])
+def test_fp8_triton_gemm_middle_row_tiles(rows: int, tiles: tuple[int, int, int, int, int]) -> None:
+    """Each tile shape the fp8 GEMM takes at 17-32 rows gives the reference's product."""
+    from mii_server.kernels import triton_fp8
+
+    n, k = SHAPES[1]
+    weight, scale = _fp8_case(n, k, 1)
+    x = torch.randn(rows, k, device=DEVICE).to(DTYPES[0])
+    q, x_scale = reference_quant.quantize_fp8_per_token(x)
+    got = triton_fp8.fp8_gemm_triton(q, x_scale, weight, scale, None, DTYPES[0], tiles)
+    torch.testing.assert_close(got, reference_quant.fp8_linear(x, weight, scale), **TOL[DTYPES[0]])
+
+
+@needs_triton
+@pytest.mark.skipif(ON_GPU and not FP8_DEVICE, reason="no fp8 tensor cores")
+def test_fp8_middle_rows_take_the_triton_gemm_with_tiles_by_grid_size(monkeypatch) -> None:
+    """``gemm="auto"`` sends up to 32 rows to the Triton GEMM and more to ``torch._scaled_mm``; at
+    17-32 rows the 16-row tiles take a K step of 512 under 2 programs per SM, 256 under 4, and wider
+    products 32 x 64 tiles. (Llama-3-8B's products on 132 SMs, as measured.)"""
+    from mii_server.kernels import triton_fp8
+
+    for n, k, want in [
+        (4096, 4096, (16, 32, 512, 4, 3)),  # o_proj: 256 programs
+        (4096, 14336, (16, 32, 512, 4, 3)),  # down
+        (6144, 4096, (16, 32, 256, 4, 3)),  # q/k/v: 384 programs
+        (28672, 4096, (32, 64, 128, 4, 4)),  # gate_up: 1,792 programs
+    ]:
+        assert triton_fp8._tiles(32, n, k, 132) == want
+    assert triton_fp8._tiles(16, 4096, 4096, 132) == (16, 32, 512, 4, 3), "few rows keep their tiles"
+
+    taken = []
+    for name in ("fp8_gemm_triton", "fp8_gemm_scaled_mm"):
+        gemm = getattr(triton_fp8, name)
+        monkeypatch.setattr(triton_fp8, name, lambda *a, _name=name, _gemm=gemm: taken.append(_name) or _gemm(*a))
+    n, k = SHAPES[0]
+    weight, scale = _fp8_case(n, k, 1)
+    for rows in (32, 33):
+        x = torch.randn(rows, k, device=DEVICE).to(torch.bfloat16)
+        triton_fp8.fp8_linear(reference_quant.Fp8Rows(*reference_quant.quantize_fp8_per_token(x), x.dtype),
+                              weight, scale)  # fmt: skip
+    assert taken == ["fp8_gemm_triton", "fp8_gemm_scaled_mm"]
+
+
 # ---- one row on the CUDA cores (triton_one_row) ----------------------------------------------------
 
 
@@ -589,7 +635,7 @@ def test_linear_rotary_kv_append_is_the_product_then_rotary_and_the_append(
 @needs_triton
 @pytest.mark.skipif(ON_GPU and not FP8_DEVICE, reason="no fp8 tensor cores")
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 7, 16, 17])  # 17: past TRITON_MAX_ROWS, fp8_linear then rotary
+@pytest.mark.parametrize("rows", [1, 7, 16, 17])  # 17: past FEW_ROWS, fp8_linear then rotary
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_fp8_linear_rotary_kv_append_is_the_fp8_product_then_rotary_and_the_append(
     dtype: torch.dtype, rows: int, with_bias: bool
