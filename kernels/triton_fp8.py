@@ -200,8 +200,9 @@ def fp8_linear(
     narrow tiles keep more of HBM busy, and ``scaled_mm`` above. Measured on one H200 (Llama-3-8B shape,
     docs/BENCHMARKS.md 2026-12-02): batch-1 decode 4.02 ms/token with Triton against 5.11 with
     scaled_mm; 256 x 512 / 256 throughput 13,126 tok/s with scaled_mm against 8,622 with Triton. The
-    crossover, on an H100 (2026-12-06): 32 rows (see ``_tiles``); at 48 rows the two were equal. ``x`` given as ``Fp8Rows`` (from ``rms_norm_fp8``) skips the quantizer's launch, as
-    does one 16-bit row for the Triton GEMM: the one-row kernel quantizes it as it reads it."""
+    crossover, on an H100 (2026-12-06): 32 rows (see ``_tiles``); at 48 rows the two were equal.
+    ``x`` given as ``Fp8Rows`` (from ``rms_norm_fp8``) skips the quantizer's launch, as does one
+    16-bit row for the Triton GEMM: the one-row kernel quantizes it as it reads it."""
     if not isinstance(x, Fp8Rows) and x.shape[0] == 1 and gemm != "scaled_mm":
         return one_row_linear(x, weight, scale, bias, quantize_x=True)
     q, x_scale, dtype = x if isinstance(x, Fp8Rows) else (*quantize_fp8_per_token(x), x.dtype)
