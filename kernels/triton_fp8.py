@@ -132,7 +132,7 @@ def _tiles(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, int]:
             return 16, 32, 256, 4, 3
         return 16, 32, 1024 if k >= 8192 else 512, 4, 3
     if m <= 2 * FEW_ROWS:
-        programs = triton.cdiv(n, 32) * 2  # two 16-row slices of the batch
+        programs = triton.cdiv(n, 32) * triton.cdiv(m, FEW_ROWS)  # 16-row slices of the batch
         if programs >= 4 * sms:
             return 32, 64, 128, 4, 4
         return 16, 32, 256 if programs >= 2 * sms else 512, 4, 3
@@ -199,8 +199,9 @@ def fp8_linear(
     ``auto``: the Triton kernel up to ``TRITON_MAX_ROWS`` rows, where a step mostly reads weights and its
     narrow tiles keep more of HBM busy, and ``scaled_mm`` above. Measured on one H200 (Llama-3-8B shape,
     docs/BENCHMARKS.md 2026-12-02): batch-1 decode 4.02 ms/token with Triton against 5.11 with
-    scaled_mm; 256 x 512 / 256 throughput 13,126 tok/s with scaled_mm against 8,622 with Triton. The
-    crossover, on an H100 (2026-12-06): 32 rows (see ``_tiles``); at 48 rows the two were equal.
+    scaled_mm; 256 x 512 / 256 throughput 13,126 tok/s with scaled_mm against 8,622 with Triton.
+    17-32 rows were measured end to end with Triton's tiles for them (see ``_tiles``); from 33 rows
+    only a blunt try was, 64 x 64 tiles up to 64 rows, slower than scaled_mm (BENCHMARKS 2026-12-06).
     ``x`` given as ``Fp8Rows`` (from ``rms_norm_fp8``) skips the quantizer's launch, as does one
     16-bit row for the Triton GEMM: the one-row kernel quantizes it as it reads it."""
     if not isinstance(x, Fp8Rows) and x.shape[0] == 1 and gemm != "scaled_mm":

@@ -176,10 +176,19 @@ def test_fp8_triton_gemm(groups: int, rows: int, dtype: torch.dtype) -> None:
     torch.testing.assert_close(got, reference_quant.fp8_linear(x, weight, scale, bias), **TOL[dtype])
 
 
+# Llama-3-8B's products (N, K) and the fp8 GEMM's tiles for them at 32 rows on 132 SMs, as measured
+FP8_MIDDLE_ROW_TILES = {
+    (4096, 4096): (16, 32, 512, 4, 3),  # o_proj: 256 programs
+    (4096, 14336): (16, 32, 512, 4, 3),  # down
+    (6144, 4096): (16, 32, 256, 4, 3),  # q/k/v: 384 programs
+    (28672, 4096): (32, 64, 128, 4, 4),  # gate_up: 1,792 programs
+}
+
+
 @needs_triton
 @pytest.mark.skipif(ON_GPU and not FP8_DEVICE, reason="no fp8 tensor cores")
 @pytest.mark.parametrize("rows", [17, 32])
-@pytest.mark.parametrize("tiles", [(16, 32, 256, 4, 3), (16, 32, 512, 4, 3), (32, 64, 128, 4, 4)])
+@pytest.mark.parametrize("tiles", sorted(set(FP8_MIDDLE_ROW_TILES.values())))
 def test_fp8_triton_gemm_middle_row_tiles(rows: int, tiles: tuple[int, int, int, int, int]) -> None:
     """Each tile shape the fp8 GEMM takes at 17-32 rows gives the reference's product."""
     from mii_server.kernels import triton_fp8
@@ -200,13 +209,9 @@ def test_fp8_middle_rows_take_the_triton_gemm_with_tiles_by_grid_size(monkeypatc
     products 32 x 64 tiles. (Llama-3-8B's products on 132 SMs, as measured.)"""
     from mii_server.kernels import triton_fp8
 
-    for n, k, want in [
-        (4096, 4096, (16, 32, 512, 4, 3)),  # o_proj: 256 programs
-        (4096, 14336, (16, 32, 512, 4, 3)),  # down
-        (6144, 4096, (16, 32, 256, 4, 3)),  # q/k/v: 384 programs
-        (28672, 4096, (32, 64, 128, 4, 4)),  # gate_up: 1,792 programs
-    ]:
+    for (n, k), want in FP8_MIDDLE_ROW_TILES.items():
         assert triton_fp8._tiles(32, n, k, 132) == want
+        assert triton_fp8._tiles(17, n, k, 132) == want
     assert triton_fp8._tiles(16, 4096, 4096, 132) == (16, 32, 512, 4, 3), "few rows keep their tiles"
 
     taken = []
