@@ -1,7 +1,7 @@
 """Zeroed device buffers for kernels whose programs meet through atomics.
 
 A kernel whose programs each do part of a job and count their arrivals (the last to arrive finishes
-it: merges the decode splits, quantizes a row with the row's absmax) needs buffers that are zero
+it: merges the decode attention's splits) needs buffers that are zero
 when it starts. Allocating and zeroing them per launch would cost a launch; instead each (device,
 purpose) has one buffer, allocated once and never freed (captured CUDA graphs keep its address),
 and every launch returns the entries it used to zero before it ends. Launches of one purpose on a

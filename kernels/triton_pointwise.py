@@ -13,7 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .counters import zeroed_counters
 from .pdl import pdl_launch, pdl_prologue
 from .reference_quant import FP8_DTYPE, FP8_MAX, FP8_SCALE_FLOOR, Fp8Rows
 
@@ -159,12 +158,23 @@ def _act_and_mul_kernel(
 @triton.jit
 def _act_and_mul_fp8_kernel(
     x_ptr, out_ptr, scale_ptr, stride_x, stride_out, inter,
-    GELU_TANH: tl.constexpr, FLOOR: tl.constexpr, MAX: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    GELU_TANH: tl.constexpr, FLOOR: tl.constexpr, MAX: tl.constexpr, BLOCK: tl.constexpr, WHOLE_ROW: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
-    """A program per row: the row's absmax over act(gate) * up, then the product again, quantized."""
+    """A program per row: the row's absmax over act(gate) * up, then the product quantized. WHOLE_ROW
+    (BLOCK covers the row): the product is held in registers between the two, so x is read once;
+    otherwise it is computed again in a second pass over BLOCK-column spans."""
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
+    if WHOLE_ROW:
+        cols = tl.arange(0, BLOCK)
+        ok = cols < inter
+        y = _act_and_mul_tile(x_row, cols, ok, inter, GELU_TANH)
+        scale = tl.maximum(tl.max(tl.abs(y), 0), FLOOR) / MAX
+        tl.store(scale_ptr + row, scale)
+        tl.store(out_ptr + row * stride_out + cols, to_fp8(y, scale, MAX), mask=ok)
+        return
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for c0 in range(0, inter, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
@@ -178,43 +188,10 @@ def _act_and_mul_fp8_kernel(
         tl.store(out_ptr + row * stride_out + cols, to_fp8(y, scale, MAX), mask=ok)
 
 
-@triton.jit
-def _act_and_mul_fp8_spread_kernel(
-    x_ptr, y_ptr, out_ptr, scale_ptr, amax_ptr, arrivals_ptr, stride_x, stride_y, stride_out, inter,
-    GELU_TANH: tl.constexpr, FLOOR: tl.constexpr, MAX: tl.constexpr, BLOCK: tl.constexpr,
-    TAIL_BLOCK: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """A program per (row, BLOCK columns), for few rows: each writes its columns' act(gate) * up to
-    the 16-bit scratch row ``y`` and raises the row's absmax (``amax_ptr``, int32 holding the float's
-    bits, which order as the values do for values >= 0); the last of the row's programs to arrive
-    (``arrivals_ptr``) quantizes the whole row, TAIL_BLOCK columns a step (the whole row in one
-    for Llama-sized MLPs: a step waits on one round trip to L2), then returns both to 0."""
-    pdl_prologue(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < inter
-    y = _act_and_mul_tile(x_ptr + row * stride_x, cols, ok, inter, GELU_TANH)
-    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=ok)
-    tl.atomic_max(amax_ptr + row, tl.max(tl.abs(y), 0).to(tl.int32, bitcast=True))
-    tl.debug_barrier()  # every thread's stores come before this program's arrival
-    if tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel") == tl.num_programs(1) - 1:
-        amax = tl.atomic_xchg(amax_ptr + row, 0).to(tl.float32, bitcast=True)
-        tl.store(arrivals_ptr + row, 0)  # why: the next launch (or CUDA graph replay) counts from 0 again
-        scale = tl.maximum(amax, FLOOR) / MAX
-        tl.store(scale_ptr + row, scale)
-        for c0 in range(0, inter, TAIL_BLOCK):
-            span = c0 + tl.arange(0, TAIL_BLOCK)
-            span_ok = span < inter
-            # why .cg: other SMs wrote these columns; read them past L1
-            row_y = tl.load(y_ptr + row * stride_y + span, mask=span_ok, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + row * stride_out + span, to_fp8(row_y.to(tl.float32), scale, MAX), mask=span_ok)
-
-
-# act_and_mul_fp8's spread regime: rows few enough that a program per row would leave most SMs idle
-# (a decode step at small batch); its row scratch is rows x inter 16-bit values
-ACT_SPREAD_MAX_ROWS = 16
-ACT_SPREAD_BLOCK = 1024
-ACT_SPREAD_MAX_TAIL = 16384  # columns the finishing program quantizes a step (64 per thread at 8 warps)
+# act_and_mul_fp8 holds a row of up to this many columns in registers (32 values a thread at one warp
+# per 1,024 columns); a wider row takes two passes of ACT_PASS_BLOCK columns
+ACT_WHOLE_ROW_MAX = 32768
+ACT_PASS_BLOCK = 4096
 
 
 def _act_and_mul(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
@@ -238,22 +215,12 @@ def _act_and_mul_fp8(x: torch.Tensor, gelu_tanh: bool) -> Fp8Rows:
     rows = x2.shape[0]
     if rows == 0 or inter == 0:
         return Fp8Rows(out, scale, x.dtype)
-    consts = {"GELU_TANH": gelu_tanh, "FLOOR": FP8_SCALE_FLOOR, "MAX": FP8_MAX, **pdl_launch(x.device)}
-    if rows <= ACT_SPREAD_MAX_ROWS:
-        amax = zeroed_counters(x.device, "act_and_mul_fp8 absmax", rows)
-        arrivals = zeroed_counters(x.device, "act_and_mul_fp8 arrivals", rows)
-        if amax is not None and arrivals is not None:
-            y = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
-            _act_and_mul_fp8_spread_kernel[(rows, triton.cdiv(inter, ACT_SPREAD_BLOCK))](
-                x2, y, out, scale, amax, arrivals, x2.stride(0), y.stride(0), out.stride(0), inter,
-                BLOCK=ACT_SPREAD_BLOCK, TAIL_BLOCK=min(triton.next_power_of_2(inter), ACT_SPREAD_MAX_TAIL),
-                num_warps=8, **consts,
-            )  # fmt: skip
-            return Fp8Rows(out, scale, x.dtype)
-    block = min(4096, triton.next_power_of_2(inter))
+    whole_row = triton.next_power_of_2(inter) <= ACT_WHOLE_ROW_MAX
+    block = triton.next_power_of_2(inter) if whole_row else ACT_PASS_BLOCK
+    warps = max(1, block // 1024) if whole_row else ACT_PASS_BLOCK // 512
     _act_and_mul_fp8_kernel[(rows,)](
-        x2, out, scale, x2.stride(0), out.stride(0), inter, BLOCK=block, num_warps=min(8, max(1, block // 512)),
-        **consts,
+        x2, out, scale, x2.stride(0), out.stride(0), inter, GELU_TANH=gelu_tanh, FLOOR=FP8_SCALE_FLOOR, MAX=FP8_MAX,
+        BLOCK=block, WHOLE_ROW=whole_row, num_warps=warps, **pdl_launch(x.device),
     )  # fmt: skip
     return Fp8Rows(out, scale, x.dtype)
 
