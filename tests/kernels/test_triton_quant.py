@@ -349,17 +349,18 @@ def test_rms_norm_fp8_is_the_norm_then_the_per_token_quantizer(dtype: torch.dtyp
 @pytest.mark.skipif(ON_GPU and not FP8_DEVICE, reason="no fp8 tensor cores")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", ["silu_and_mul", "gelu_tanh_and_mul"])
-@pytest.mark.parametrize("count,wide", [(1, False), (17, False), (3, True)])
+@pytest.mark.parametrize("count,width", [(1, "mlp"), (17, "mlp"), (3, "limit"), (3, "wide")])
 def test_act_and_mul_fp8_is_the_activation_then_the_per_token_quantizer(
-    dtype: torch.dtype, op: str, count: int, wide: bool
+    dtype: torch.dtype, op: str, count: int, width: str
 ) -> None:
     """One launch, a program per row: the gated activation's rows quantized as
-    ``quantize_fp8_per_token`` quantizes them, the row held whole or, ``wide`` (past
-    ACT_WHOLE_ROW_MAX columns), in two passes of column chunks, the last one partial; the reference
-    twin is the same composition."""
+    ``quantize_fp8_per_token`` quantizes them, the row held whole (a Llama MLP's width, or just
+    under ACT_WHOLE_ROW_MAX columns) or, ``wide`` (past it), in two passes of column chunks, the
+    last one partial; the reference twin is the same composition."""
     from mii_server.kernels import reference, triton_pointwise
 
-    inter = triton_pointwise.ACT_WHOLE_ROW_MAX + 1000 if wide else 14336 if ON_GPU else 5000
+    widest = triton_pointwise.ACT_WHOLE_ROW_MAX
+    inter = {"mlp": 14336 if ON_GPU else 5000, "limit": widest - 1000, "wide": widest + 1000}[width]
     x = (torch.randn(count, 2 * inter, device=DEVICE) * 3).to(dtype)
     rows = getattr(triton_pointwise, f"{op}_fp8")(x)
     want_q, want_scale = reference_quant.quantize_fp8_per_token(getattr(triton_pointwise, op)(x))
