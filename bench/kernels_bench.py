@@ -23,6 +23,10 @@
   int8 copy (``quantization.lm_head``) against the 16-bit head, at the same rows.
 - ``--argmax``: the sampler's greedy argmax over a 128,256-entry vocabulary at 1-256 rows, torch's
   against ours (``triton_argmax``), each checked against the other first.
+- ``--act-fp8``: fp8's SiLU·mul quantizer (``silu_and_mul_fp8``, one launch) at 1-8,192 rows of
+  Llama-3-8B's and Llama-3-70B's MLP widths, against ``silu_and_mul`` then
+  ``quantize_fp8_per_token``, each checked against the other first; ``do_bench`` medians over 4
+  input copies in turn, and the floor of reading the row and writing it once.
 - ``--blas``: Llama-3-8B's linear layers at 1, 256 and 8192 rows through cuBLAS and cuBLASLt, against
   the larger of their weight-read and compute floors.
 
@@ -649,6 +653,33 @@ def bench_argmax(vocab: int = 128256) -> list[dict]:
     return out
 
 
+def bench_act_fp8(rows_list: tuple[int, ...] = (1, 8, 16, 17, 32, 64, 256, 1024, 8192)) -> list[dict]:
+    """``silu_and_mul_fp8`` against ``silu_and_mul`` then ``quantize_fp8_per_token`` (what it fuses),
+    microseconds a call as the engine launches them, at Llama-3-8B's and Llama-3-70B's widths."""
+
+    def unfused(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return triton_fp8.quantize_fp8_per_token(triton_pointwise.silu_and_mul(x))
+
+    out = []
+    for inter in (14336, 28672):
+        for rows in rows_list:
+            copies = [torch.randn(rows, 2 * inter, device="cuda", dtype=torch.bfloat16) * 3 for _ in range(4)]
+            fused = triton_pointwise.silu_and_mul_fp8(copies[0])
+            q, scale = unfused(copies[0])
+            assert torch.equal(fused.scale, scale)
+            assert torch.equal(fused.values.view(torch.uint8), q.view(torch.uint8))
+            turn = itertools.cycle(copies)
+            fns = {"unfused": lambda t=turn: unfused(next(t)),
+                   "ours": lambda t=turn: triton_pointwise.silu_and_mul_fp8(next(t))}  # fmt: skip
+            us = {name: do_bench(f, warmup=50, rep=300, return_mode="median") * 1e3
+                  for name, f in fns.items()}  # fmt: skip
+            floor_us = rows * inter * (2 * 2 + 1) / HBM_BYTES_PER_S * 1e6  # bf16 gate and up in, fp8 out
+            out.append(_report(f"act_fp8_i{inter}_r{rows}", us["ours"] / 1e3, unfused_us=us["unfused"],
+                               ours_us=us["ours"], speedup=us["unfused"] / us["ours"],
+                               floor_us=floor_us))  # fmt: skip
+    return out
+
+
 def _weight_only(x, scale, weight, tiles):
     return triton_quant.weight_only_linear(x, weight, scale, None, False, tiles)
 
@@ -679,6 +710,9 @@ def main() -> None:
     parser.add_argument("--fused", action="store_true", help="also time the fused gate_up and q/k/v kernels against the unfused")
     parser.add_argument("--logits", action="store_true", help="also time the LM head, cuBLAS and the cast against ours")
     parser.add_argument("--argmax", action="store_true", help="also time the sampler's argmax, torch against ours")
+    parser.add_argument(
+        "--act-fp8", action="store_true", help="also time fp8's SiLU·mul quantizer against what it fuses"
+    )
     parser.add_argument(
         "--decode-shape", type=int, nargs=2, default=[64, 2048], metavar=("BATCH", "CONTEXT"),
         help="sequences and context length of the decode case (default: 64 2048)",
@@ -722,6 +756,8 @@ def main() -> None:
         rows += bench_int8_logits(tuple(args.gemm_rows))
     if args.argmax:
         rows += bench_argmax()
+    if args.act_fp8:
+        rows += bench_act_fp8()
     if args.blas:
         rows += bench_blas_libraries()
     gemm_sweep = args.sweep is not None and "gemm" in (args.sweep or ("gemm",))

@@ -215,8 +215,9 @@ def _act_and_mul_fp8(x: torch.Tensor, gelu_tanh: bool) -> Fp8Rows:
     rows = x2.shape[0]
     if rows == 0 or inter == 0:
         return Fp8Rows(out, scale, x.dtype)
-    whole_row = triton.next_power_of_2(inter) <= ACT_WHOLE_ROW_MAX
-    block = triton.next_power_of_2(inter) if whole_row else ACT_PASS_BLOCK
+    width = triton.next_power_of_2(inter)
+    whole_row = width <= ACT_WHOLE_ROW_MAX
+    block = width if whole_row else ACT_PASS_BLOCK
     warps = max(1, block // 1024) if whole_row else ACT_PASS_BLOCK // 512
     _act_and_mul_fp8_kernel[(rows,)](
         x2, out, scale, x2.stride(0), out.stride(0), inter, GELU_TANH=gelu_tanh, FLOOR=FP8_SCALE_FLOOR, MAX=FP8_MAX,
