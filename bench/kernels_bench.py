@@ -12,8 +12,10 @@
   backends), each checked first.
 - ``--gemm``: the same linears at decode's few rows, cuBLAS against our Triton GEMMs on bf16 (where
   ``dense_linear`` takes them), int8 and fp8 weights (fp8 also through ``torch._scaled_mm``), each
-  against its weight-read floor; ``--sweep gemm`` times every tile shape of the Triton GEMMs instead
-  of their defaults (from 17 rows, tiles as wide as the rows too).
+  against its weight-read floor (``torch._scaled_mm`` also with fast accumulation, each with its
+  largest error against a float64 product of the same fp8 operands); ``--sweep gemm`` times every
+  tile shape of the Triton GEMMs instead of their defaults (from 17 rows, tiles as wide as the rows
+  too).
 - ``--fused``: gate_up with its activation in one launch (``triton_fused_linear``) against cuBLAS then
   the activation kernel, and q/k/v with rotary and the KV append against cuBLAS then
   ``rotary_kv_append`` (and with fp8 weights, against the fp8 GEMM then ``rotary_kv_append``);
@@ -489,11 +491,17 @@ def bench_decode_gemms(rows_list: tuple[int, ...], sweep: bool) -> list[dict]:
                 f"gemm_{name}_m{m}_fp8", functools.partial(_fp8, q, x_scale, scale), weights["fp8"],
                 floor_us / 2, True, sweep, m,
             )  # fmt: skip
-            scaled_mm_us = _each_weight_us(
-                functools.partial(triton_fp8.fp8_gemm_scaled_mm, q, x_scale, scale=scale, bias=None,
-                                  out_dtype=torch.bfloat16), weights["fp8"])  # fmt: skip
-            out.append(_report(f"gemm_{name}_m{m}_fp8_scaled_mm", scaled_mm_us / 1e3, us=scaled_mm_us,
-                               frac_floor=floor_us / 2 / scaled_mm_us))  # fmt: skip
+            w0 = weights["fp8"][0]
+            exact = (q.double() * x_scale.double()[:, None]) @ (w0.double() * scale.double()).t()
+            for fast in (False, True):  # False: fp8_gemm_scaled_mm's mode; True: vLLM's CUTLASS kernels'
+                run = functools.partial(triton_fp8.fp8_gemm_scaled_mm, q, x_scale, scale=scale, bias=None,
+                                        out_dtype=torch.bfloat16, fast_accum=fast)  # fmt: skip
+                us = _each_weight_us(run, weights["fp8"])
+                error = ((run(w0).double() - exact).abs().max() / exact.abs().max()).item()
+                out.append(_report(
+                    f"gemm_{name}_m{m}_fp8_scaled_mm" + ("_fast_accum" if fast else ""), us / 1e3, us=us,
+                    frac_floor=floor_us / 2 / us, max_relative_error=error,
+                ))  # fmt: skip
     return out
 
 

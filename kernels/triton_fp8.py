@@ -174,13 +174,16 @@ def fp8_gemm_triton(
 
 def fp8_gemm_scaled_mm(
     q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-    bias: torch.Tensor | None, out_dtype: torch.dtype,
+    bias: torch.Tensor | None, out_dtype: torch.dtype, fast_accum: bool = False,
 ) -> torch.Tensor:  # fmt: skip
-    """The same product through ``torch._scaled_mm`` with row-wise scales (scale: [N, 1])."""
+    """The same product through ``torch._scaled_mm`` with row-wise scales (scale: [N, 1]).
+    ``fast_accum``: sums kept in the tensor cores' narrower accumulator instead of promoted to float32
+    as the K loop runs, as vLLM's CUTLASS fp8 kernels keep them (benchmarks: ``kernels_bench --gemm``)."""
     # why bfloat16 out: cuBLASLt's row-wise scaled fp8 GEMM writes bf16 only
     y = torch._scaled_mm(
-        q, weight.t(), scale_a=x_scale[:, None], scale_b=scale.view(1, -1), out_dtype=torch.bfloat16
-    )
+        q, weight.t(), scale_a=x_scale[:, None], scale_b=scale.view(1, -1), out_dtype=torch.bfloat16,
+        use_fast_accum=fast_accum,
+    )  # fmt: skip
     if bias is not None:
         y = y + bias
     return y if out_dtype == torch.bfloat16 else y.to(out_dtype)

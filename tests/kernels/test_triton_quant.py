@@ -292,15 +292,17 @@ def test_one_row_kernel_at_ragged_edges(weights: str, sum_each_step: bool, monke
 
 @pytest.mark.skipif(ON_GPU and not FP8_DEVICE, reason="no fp8 tensor cores")
 @pytest.mark.parametrize("rows", ROWS)
-def test_fp8_scaled_mm_gemm(rows: int) -> None:
-    """``torch._scaled_mm`` with row-wise scales (runs on the CPU too), output in bfloat16."""
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_fp8_scaled_mm_gemm(rows: int, fast_accum: bool) -> None:
+    """``torch._scaled_mm`` with row-wise scales (runs on the CPU too), output in bfloat16; with fast
+    accumulation (a benchmarks' option) within the same tolerance."""
     from mii_server.kernels import triton_fp8
 
     n, k = SHAPES[0]
     weight, scale = _fp8_case(n, k, 1)
     x = torch.randn(rows, k, device=DEVICE).to(torch.bfloat16)
     q, x_scale = reference_quant.quantize_fp8_per_token(x)
-    got = triton_fp8.fp8_gemm_scaled_mm(q, x_scale, weight, scale, None, torch.bfloat16)
+    got = triton_fp8.fp8_gemm_scaled_mm(q, x_scale, weight, scale, None, torch.bfloat16, fast_accum)
     torch.testing.assert_close(got, reference_quant.fp8_linear(x, weight, scale), **TOL[torch.bfloat16])
 
 
