@@ -154,7 +154,9 @@ def test_400_open_streams_are_served_together_not_in_waves(deployment: Deploymen
 def test_1000_concurrent_streams_on_each_front_end_then_memory_returns(deployment: Deployment, warm_memory) -> None:
     n, new_tokens = 1000, 8
     after = []
-    for _ in range(2):  # the second round must not grow what the first left
+    # why three rounds: the allocator's pools still settle in the second (measured: +28 MiB once, on a
+    # loaded 2-core machine); a leak grows every round, so the third must not grow what the second left
+    for _ in range(3):
         _complete(asyncio.run(grpc_round(deployment.client, n, new_tokens)), n, new_tokens)
         _complete(asyncio.run(openai_round(deployment.openai_port, n, new_tokens)), n, new_tokens)
         after.append({pid: rss_bytes(pid) for pid in deployment.pids})
@@ -163,4 +165,4 @@ def test_1000_concurrent_streams_on_each_front_end_then_memory_returns(deploymen
     for pid, idle in warm_memory.items():
         # why a margin: the allocator keeps some freed pages (measured: +20 to +55 MiB after 1,000 streams)
         assert after[0][pid] <= idle * 1.5 + 64 * MIB, (pid, idle // MIB, after[0][pid] // MIB)
-        assert after[1][pid] <= after[0][pid] + 24 * MIB, (pid, after[0][pid] // MIB, after[1][pid] // MIB)
+        assert after[2][pid] <= after[1][pid] + 24 * MIB, (pid, after[1][pid] // MIB, after[2][pid] // MIB)
