@@ -421,7 +421,7 @@ def _gemm_tiles(fp8: bool, rows: int) -> list[tuple[int, int, int, int, int]]:
     tiles += [(16, 32, ks[1], 8, 4), (16, 64, ks[1], 8, 3), (16, 128, ks[0], 8, 3)]
     if rows == 1:
         tiles += ONE_ROW_TILES
-    if rows > 16:  # 17-32 rows as one 32-row slice (main takes two 16-row ones), then compute-bound
+    if rows > 16:  # 17-32 rows as one 32-row slice (as main takes them), then compute-bound
         tiles += [(32, bn, bk, 4, s) for bn in (16, 32, 64) for bk in ks[:2] for s in (3, 4)]
         tiles += [(bm, bn, 128 if fp8 else 64, w, s) for bm in (64, 128) for bn in (64, 128, 256)
                   for w, s in ((4, 3), (4, 4), (8, 3), (8, 4))]  # fmt: skip

@@ -121,10 +121,12 @@ def _tiles(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, int]:
     down 16.86 against 20.65; the best of 35 shapes was within 0.45 us of them on each
     (docs/BENCHMARKS.md 2026-12-05).
 
-    17-32 rows (two 16-row slices of the batch): the few-row tiles while the grid holds fewer than 4
-    programs per SM (a K step of 256 from 2 per SM), else 32 x 64 tiles. With them ``fp8_linear``
-    routes these rows to this kernel instead of ``torch._scaled_mm``: on an H100, fp8 decode steps of
-    24 sequences took 5.87 ms against 6.27, of 32 6.56 against 6.94 (docs/BENCHMARKS.md 2026-12-06)."""
+    17-32 rows: one 32-row slice of the batch, so each program reads its weight slice once for all
+    the rows: 32 x 32 tiles (a K step of 512, 256 from 2 programs per SM) while the grid holds fewer
+    than 4 programs per SM, else 32 x 64. With them ``fp8_linear`` routes these rows to this kernel
+    instead of ``torch._scaled_mm``. On an H100, in one call, fp8 decode steps of 24 sequences took
+    5.64-5.67 ms against 5.79 with two 16-row slices, of 32 5.96-5.97 against 6.35-6.45; scaled_mm
+    took 6.27 and 6.94 on another H100 (docs/BENCHMARKS.md 2026-12-06 and 2026-12-07)."""
     if m == 1:
         return 1, *one_row_tiles(k, 1), 1
     if m <= FEW_ROWS:
@@ -132,10 +134,10 @@ def _tiles(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, int]:
             return 16, 32, 256, 4, 3
         return 16, 32, 1024 if k >= 8192 else 512, 4, 3
     if m <= 2 * FEW_ROWS:
-        programs = triton.cdiv(n, 32) * triton.cdiv(m, FEW_ROWS)  # 16-row slices of the batch
+        programs = triton.cdiv(n, 32)  # each reads its weight slice once, for all the rows
         if programs >= 4 * sms:
             return 32, 64, 128, 4, 4
-        return 16, 32, 256 if programs >= 2 * sms else 512, 4, 3
+        return 32, 32, 256 if programs >= 2 * sms else 512, 4, 3
     if m <= 64:
         return 64, 64, 128, 4, 4
     return 128, 128, 128, 8, 3
@@ -178,7 +180,9 @@ def fp8_gemm_scaled_mm(
 ) -> torch.Tensor:  # fmt: skip
     """The same product through ``torch._scaled_mm`` with row-wise scales (scale: [N, 1]).
     ``fast_accum``: sums kept in the tensor cores' narrower accumulator instead of promoted to float32
-    as the K loop runs, as vLLM's CUTLASS fp8 kernels keep them (benchmarks: ``kernels_bench --gemm``)."""
+    as the K loop runs, as vLLM's CUTLASS fp8 kernels keep them (benchmarks: ``kernels_bench --gemm``).
+    The model keeps float32 sums: on an H100, fast ones made gate_up at 256 rows 17% faster at 1.7x
+    the error, but neither the 256-row decode step nor throughput moved (docs/BENCHMARKS.md 2026-12-07)."""
     # why bfloat16 out: cuBLASLt's row-wise scaled fp8 GEMM writes bf16 only
     y = torch._scaled_mm(
         q, weight.t(), scale_a=x_scale[:, None], scale_b=scale.view(1, -1), out_dtype=torch.bfloat16,

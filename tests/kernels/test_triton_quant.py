@@ -178,10 +178,11 @@ def test_fp8_triton_gemm(groups: int, rows: int, dtype: torch.dtype) -> None:
 
 # Llama-3-8B's products (N, K) and the fp8 GEMM's tiles for them at 32 rows on 132 SMs, as measured
 FP8_MIDDLE_ROW_TILES = {
-    (4096, 4096): (16, 32, 512, 4, 3),  # o_proj: 256 programs
-    (4096, 14336): (16, 32, 512, 4, 3),  # down
-    (6144, 4096): (16, 32, 256, 4, 3),  # q/k/v: 384 programs
-    (28672, 4096): (32, 64, 128, 4, 4),  # gate_up: 1,792 programs
+    (4096, 4096): (32, 32, 512, 4, 3),  # o_proj: 128 programs
+    (4096, 14336): (32, 32, 512, 4, 3),  # down
+    (6144, 4096): (32, 32, 512, 4, 3),  # q/k/v: 192 programs
+    (12288, 4096): (32, 32, 256, 4, 3),  # a wider product: 384 programs
+    (28672, 4096): (32, 64, 128, 4, 4),  # gate_up: 896 programs
 }
 
 
@@ -205,8 +206,8 @@ def test_fp8_triton_gemm_middle_row_tiles(rows: int, tiles: tuple[int, int, int,
 @pytest.mark.skipif(ON_GPU and not FP8_DEVICE, reason="no fp8 tensor cores")
 def test_fp8_middle_rows_take_the_triton_gemm_with_tiles_by_grid_size(monkeypatch) -> None:
     """``gemm="auto"`` sends up to 32 rows to the Triton GEMM and more to ``torch._scaled_mm``; at
-    17-32 rows the 16-row tiles take a K step of 512 under 2 programs per SM, 256 under 4, and wider
-    products 32 x 64 tiles. (Llama-3-8B's products on 132 SMs, as measured.)"""
+    17-32 rows, one 32-row slice: 32 x 32 tiles with a K step of 512 under 2 programs per SM, 256
+    under 4, and wider products 32 x 64 tiles. (Llama-3-8B's products on 132 SMs, as measured.)"""
     from mii_server.kernels import triton_fp8
 
     for (n, k), want in FP8_MIDDLE_ROW_TILES.items():
