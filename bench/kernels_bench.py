@@ -15,7 +15,8 @@
   against its weight-read floor (``torch._scaled_mm`` also with fast accumulation, each with its
   largest error against a float64 product of the same fp8 operands); ``--sweep gemm`` times every
   tile shape of the Triton GEMMs instead of their defaults (from 17 rows, tiles as wide as the rows
-  too).
+  too). At one row, fp8 also as the model runs o_proj and down there: a 16-bit row quantized inside
+  the one-row kernel (``gemm_*_m1_fp8_quantize_x``), swept over the one-row tiles.
 - ``--fused``: gate_up with its activation in one launch (``triton_fused_linear``) against cuBLAS then
   the activation kernel, and q/k/v with rotary and the KV append against cuBLAS then
   ``rotary_kv_append`` (and with fp8 weights, against the fp8 GEMM then ``rotary_kv_append``);
@@ -57,6 +58,7 @@ from mii_server.kernels import (
     triton_attention,
     triton_fp8,
     triton_fused_linear,
+    triton_one_row,
     triton_pointwise,
     triton_quant,
 )
@@ -434,13 +436,14 @@ def _graph_us(fn, copies: int) -> float:
 
 
 def _sweep_gemm(
-    label: str, run, weights: list[torch.Tensor], floor_us: float, fp8: bool, sweep: bool, m: int
+    label: str, run, weights: list[torch.Tensor], floor_us: float, fp8: bool, sweep: bool, m: int,
+    candidates: list[tuple[int, int, int, int, int]] | None = None,
 ) -> list[dict]:  # fmt: skip
     """Time ``run(weight, tiles)`` at ``m`` rows with the default tiles and (``sweep``) every other
-    configuration, each checked against the default's output."""
+    configuration (``candidates``, else ``_gemm_tiles``'), each checked against the default's output."""
     expected = run(weights[0], None)
     rows = []
-    for tiles in [None, *(_gemm_tiles(fp8, m) if sweep else [])]:
+    for tiles in [None, *((candidates or _gemm_tiles(fp8, m)) if sweep else [])]:
         try:
             torch.testing.assert_close(run(weights[0], tiles), expected, atol=1e-2, rtol=1e-2)
             us = _graph_us(lambda tiles=tiles: [run(w, tiles) for w in weights], len(weights))
@@ -491,6 +494,11 @@ def bench_decode_gemms(rows_list: tuple[int, ...], sweep: bool) -> list[dict]:
                 f"gemm_{name}_m{m}_fp8", functools.partial(_fp8, q, x_scale, scale), weights["fp8"],
                 floor_us / 2, True, sweep, m,
             )  # fmt: skip
+            if m == 1:  # why: the sweep above gives x already quantized; the model's o_proj and down don't
+                out += _sweep_gemm(
+                    f"gemm_{name}_m1_fp8_quantize_x", functools.partial(_fp8_quantize_x, x, scale),
+                    weights["fp8"], floor_us / 2, True, sweep, m, ONE_ROW_TILES,
+                )  # fmt: skip
             w0 = weights["fp8"][0]
             exact = (q.double() * x_scale.double()[:, None]) @ (w0.double() * scale.double()).t()
             for fast in (False, True):  # False: fp8_gemm_scaled_mm's mode; True: vLLM's CUTLASS kernels'
@@ -699,6 +707,12 @@ def _dense(x, weight, tiles):
 
 def _fp8(q, x_scale, scale, weight, tiles):
     return triton_fp8.fp8_gemm_triton(q, x_scale, weight, scale, None, torch.bfloat16, tiles)
+
+
+def _fp8_quantize_x(x, scale, weight, tiles):
+    """One 16-bit row against an fp8 weight, quantized per token inside the one-row kernel, as
+    ``fp8_linear`` runs it; ``tiles`` (1, BLOCK_N, BLOCK_K, warps, stages) of ``ONE_ROW_TILES``."""
+    return triton_one_row.one_row_linear(x, weight, scale, quantize_x=True, tiles=tiles and tiles[1:4])
 
 
 def main() -> None:
