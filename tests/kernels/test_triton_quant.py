@@ -207,7 +207,7 @@ def test_fp8_triton_gemm_middle_row_tiles(rows: int, tiles: tuple[int, int, int,
 def test_fp8_middle_rows_take_the_triton_gemm_with_tiles_by_grid_size(monkeypatch) -> None:
     """``gemm="auto"`` sends up to 32 rows to the Triton GEMM and more to ``torch._scaled_mm``; at
     17-32 rows, one 32-row slice: 32 x 32 tiles with a K step of 512 under 2 programs per SM, 256
-    under 4, and wider products 32 x 64 tiles. (Llama-3-8B's products on 132 SMs, as measured.)"""
+    under 4, and wider products 32 x 64 tiles. (Llama-3-8B's products and one wider, on 132 SMs.)"""
     from mii_server.kernels import triton_fp8
 
     for (n, k), want in FP8_MIDDLE_ROW_TILES.items():
