@@ -295,8 +295,10 @@ def test_one_row_kernel_at_ragged_edges(weights: str, sum_each_step: bool, monke
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("fast_accum", [False, True])
 def test_fp8_scaled_mm_gemm(rows: int, fast_accum: bool) -> None:
-    """``torch._scaled_mm`` with row-wise scales (runs on the CPU too), output in bfloat16; with fast
-    accumulation (a benchmarks' option) within the same tolerance."""
+    """``torch._scaled_mm`` with row-wise scales (runs on the CPU too), output in bfloat16. Fast
+    accumulation (a benchmarks' option) sums in the tensor cores' narrower adder: on an H100 3-350
+    elements left the tolerance of one rounding, by up to 0.5, so it is held to a relative error of
+    the whole product instead (there 2.3-2.4e-3 at every row count, against 0.6-0.8e-3 without)."""
     from mii_server.kernels import triton_fp8
 
     n, k = SHAPES[0]
@@ -304,7 +306,11 @@ def test_fp8_scaled_mm_gemm(rows: int, fast_accum: bool) -> None:
     x = torch.randn(rows, k, device=DEVICE).to(torch.bfloat16)
     q, x_scale = reference_quant.quantize_fp8_per_token(x)
     got = triton_fp8.fp8_gemm_scaled_mm(q, x_scale, weight, scale, None, torch.bfloat16, fast_accum)
-    torch.testing.assert_close(got, reference_quant.fp8_linear(x, weight, scale), **TOL[torch.bfloat16])
+    want = reference_quant.fp8_linear(x, weight, scale)
+    if not fast_accum:
+        torch.testing.assert_close(got, want, **TOL[torch.bfloat16])
+    else:
+        assert torch.linalg.norm((got - want).float()) <= 4e-3 * torch.linalg.norm(want.float())
 
 
 @pytest.mark.skipif(not FP8_DEVICE, reason="Triton's interpreter rounds fp32 -> fp8 wrongly where rounding "
