@@ -32,7 +32,9 @@ _FP8_MAX = tl.constexpr(FP8_MAX)
 
 @triton.jit
 def fp8_row_scale(x_ptr, K, BLOCK_K: tl.constexpr):
-    """The per-token fp8 scale of the 16-bit row x [K], as ``quantize_fp8_per_token`` computes it."""
+    """The per-token fp8 scale of the 16-bit row x [K], as ``quantize_fp8_per_token`` computes it.
+    Every program makes this pass; gathering the absmax by atomics in the kernel that wrote x was
+    slower on an H100 (docs/BENCHMARKS.md 2026-12-07, twenty-seventh session)."""
     rk = tl.arange(0, BLOCK_K)
     amax = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
