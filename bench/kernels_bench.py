@@ -15,8 +15,8 @@
   against its weight-read floor (``torch._scaled_mm`` also with fast accumulation, each with its
   largest error against a float64 product of the same fp8 operands); ``--sweep gemm`` times every
   tile shape of the Triton GEMMs instead of their defaults (from 17 rows, tiles as wide as the rows
-  too). At one row, fp8 also as the model runs o_proj and down there: a 16-bit row quantized inside
-  the one-row kernel (``gemm_*_m1_fp8_quantize_x``), swept over the one-row tiles.
+  too). At one row, o_proj and down in fp8 also as the model runs them there: a 16-bit row quantized
+  inside the one-row kernel (``gemm_{o_proj,down}_m1_fp8_quantize_x``), swept over the one-row tiles.
 - ``--fused``: gate_up with its activation in one launch (``triton_fused_linear``) against cuBLAS then
   the activation kernel, and q/k/v with rotary and the KV append against cuBLAS then
   ``rotary_kv_append`` (and with fp8 weights, against the fp8 GEMM then ``rotary_kv_append``);
@@ -494,7 +494,9 @@ def bench_decode_gemms(rows_list: tuple[int, ...], sweep: bool) -> list[dict]:
                 f"gemm_{name}_m{m}_fp8", functools.partial(_fp8, q, x_scale, scale), weights["fp8"],
                 floor_us / 2, True, sweep, m,
             )  # fmt: skip
-            if m == 1:  # why: the sweep above gives x already quantized; the model's o_proj and down don't
+            # why: the sweep above gives x already quantized (as the norm hands qkv and gate_up); the
+            # model's o_proj and down get one 16-bit row and quantize it in the kernel
+            if m == 1 and name in ("o_proj", "down"):
                 out += _sweep_gemm(
                     f"gemm_{name}_m1_fp8_quantize_x", functools.partial(_fp8_quantize_x, x, scale),
                     weights["fp8"], floor_us / 2, True, sweep, m, ONE_ROW_TILES,
