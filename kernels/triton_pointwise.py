@@ -89,6 +89,14 @@ def rms_norm_fp8(
     return Fp8Rows(out, scale, x.dtype), stream
 
 
+def _rms_norm_warps(rows: int, block: int) -> int:
+    """Warps of the norm's program per row: 512 columns a warp, or 256 for a lone row (batch-1 decode,
+    one program on the GPU, so its latency is the step's): 16 warps at Llama-3-8B's 4,096 columns took
+    0.006-0.007 ms off an fp8 token against 8 (0.2%; bf16 unchanged, 32 warps no better), on an H100
+    (docs/BENCHMARKS.md 2026-12-07, twenty-eighth session)."""
+    return min(16, max(1, block // (256 if rows == 1 else 512)))
+
+
 def _rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, quantize: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -110,8 +118,7 @@ def _rms_norm(
             x2.stride(0), res2.stride(0), out.stride(0), stream2.stride(0),
             hidden, eps,
             HAS_RESIDUAL=residual is not None, QUANTIZE=quantize, FP8_FLOOR=FP8_SCALE_FLOOR, FP8_LIMIT=FP8_MAX,
-            BLOCK=block,
-            num_warps=min(16, max(1, block // 512)), **pdl_launch(x.device),
+            BLOCK=block, num_warps=_rms_norm_warps(x2.shape[0], block), **pdl_launch(x.device),
         )  # fmt: skip
     return out, scale, stream
 

@@ -53,10 +53,11 @@ def _seed() -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [4096, 5120] if ON_GPU else [32, 48])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm(dtype: torch.dtype, hidden: int, with_residual: bool) -> None:
-    x = _rand(13, hidden, dtype=dtype)
+@pytest.mark.parametrize("rows", [1, 13])  # one row: batch-1 decode, launched with more warps
+def test_rms_norm(dtype: torch.dtype, hidden: int, with_residual: bool, rows: int) -> None:
+    x = _rand(rows, hidden, dtype=dtype)
     weight = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).to(dtype)
-    residual = _rand(13, hidden, dtype=dtype) if with_residual else None
+    residual = _rand(rows, hidden, dtype=dtype) if with_residual else None
     normed, stream = triton_ops.rms_norm(x, weight, 1e-6, residual)
     ref_normed, ref_stream = reference.rms_norm(x, weight, 1e-6, residual)
     torch.testing.assert_close(stream, ref_stream, atol=0, rtol=0)
