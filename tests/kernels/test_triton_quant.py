@@ -336,17 +336,17 @@ def test_fp8_linear_on_gpu(gemm: str, dtype: torch.dtype) -> None:
 @pytest.mark.skipif(ON_GPU and not FP8_DEVICE, reason="no fp8 tensor cores")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [True, False])
-@pytest.mark.parametrize("rows", [1, 9])  # one row: batch-1 decode, launched with more warps
+@pytest.mark.parametrize("tokens", [1, 9])  # one row: batch-1 decode, launched with more warps
 def test_rms_norm_fp8_is_the_norm_then_the_per_token_quantizer(
-    dtype: torch.dtype, with_residual: bool, rows: int
+    dtype: torch.dtype, with_residual: bool, tokens: int
 ) -> None:
     """One launch: the RMSNorm kernel's rows, quantized as ``quantize_fp8_per_token`` quantizes them."""
     from mii_server.kernels import triton_pointwise
 
     hidden = 4096 if ON_GPU else 96
-    x = (torch.randn(rows, hidden, device=DEVICE) * 3).to(dtype)
+    x = (torch.randn(tokens, hidden, device=DEVICE) * 3).to(dtype)
     weight = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).to(dtype)
-    residual = torch.randn(rows, hidden, device=DEVICE).to(dtype) if with_residual else None
+    residual = torch.randn(tokens, hidden, device=DEVICE).to(dtype) if with_residual else None
     rows, stream = triton_pointwise.rms_norm_fp8(x, weight, 1e-6, residual)
     normed, want_stream = triton_pointwise.rms_norm(x, weight, 1e-6, residual)
     want_q, want_scale = reference_quant.quantize_fp8_per_token(normed)
