@@ -70,13 +70,15 @@ def test_mixed_steps_split_their_decode_rows_and_generate_what_the_reference_gen
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Four short prompts decode while a long one is still being prefilled in chunks: those steps put
-    four decode rows first, which with two KV heads fill the interpreter's four "SMs", so attention
-    sends them to the decode kernel and the chunk to the ragged kernel (``paged_mixed_attention``)."""
+    four decode rows first, which with two KV heads fill four SMs (the interpreter's count, and the
+    count a GPU is given here), so attention sends them to the decode kernel and the chunk to the
+    ragged kernel (``paged_mixed_attention``)."""
     from mii_server.demo_model import build_tiny_checkpoint
     from mii_server.kernels import triton_attention
 
     path = build_tiny_checkpoint(tmp_path / "llama", "llama", seed=5)
     prompts = ["Hi", "A", "Yes", "Go", " ".join(["The quick brown fox jumps over the lazy dog."] * 4)]
+    monkeypatch.setattr(triton_attention, "_num_sms", lambda device: 4)
     launches = []
     mixed = triton_attention.paged_mixed_attention
     monkeypatch.setattr(triton_attention, "paged_mixed_attention", lambda *a, **k: launches.append(a) or mixed(*a, **k))
