@@ -131,6 +131,12 @@ class RemoteError(grpc.RpcError):
         return ((ERROR_METADATA_KEY, self._error_name),) if self._error_name else ()
 
 
+def is_transport_failure(err: grpc.RpcError) -> bool:
+    """UNAVAILABLE that no server of ours decided (no error name): the peer could not be reached, or the
+    connection to it dropped. A request that got no output yet may be sent again once the peer answers."""
+    return _code_of(err) == grpc.StatusCode.UNAVAILABLE and _error_name_from_metadata(err) is None
+
+
 def is_retryable(err: grpc.RpcError) -> bool:
     """True for failures that say nothing was done (replica down or dying): safe to send elsewhere."""
     return _code_of(err) == grpc.StatusCode.UNAVAILABLE

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -385,6 +386,54 @@ def test_a_sigkilled_replica_is_restarted_and_serves_again(deployment, expected)
     for got, want in zip(deployment.client.generate(PROMPTS[:6], **GREEDY), expected[:6], strict=True):
         _same(got, want)
     assert deployment.client.stats()[1].prompts_received > 0  # the new process served some of them
+
+
+def test_calls_made_while_a_sigkilled_load_balancer_is_down_wait_for_its_restart(
+    deployment, expected, registry_env
+) -> None:
+    """Every way in (the Python client unary, streaming and async; REST; OpenAI) holds a call made while
+    the load balancer is gone, and sends it once the supervisor's new one answers. The supervisor is
+    held (SIGSTOP) so the calls are made while nothing listens on the balancer's port."""
+    supervisor = registry.read(NAME).supervisor_pid
+    (old,) = deployment_processes(NAME, registry_env, role="load-balancer")
+    os.kill(supervisor, signal.SIGSTOP)
+    try:
+        os.kill(old, signal.SIGKILL)
+        wait_for(lambda: _exited(old), 10, "the load balancer to exit")
+        assert port_is_free("127.0.0.1", deployment.lb_port)
+        client = deployment.client
+        texts: dict[str, str] = {}
+        errors: list[BaseException] = []
+
+        def asynchronous() -> str:
+            return asyncio.run(client.agenerate([PROMPTS[2]], **GREEDY))[0].generated_text
+
+        calls = {
+            "unary": lambda: client.generate([PROMPTS[0]], **GREEDY)[0].generated_text,
+            "stream": lambda: "".join(c.generated_text for c in client.generate_stream([PROMPTS[1]], **GREEDY)),
+            "async": asynchronous,
+            "rest-gateway": lambda: _generate_on_a_new_connection(deployment, "rest-gateway", 3),
+            "openai-server": lambda: _generate_on_a_new_connection(deployment, "openai-server", 4),
+        }
+
+        def call(name: str) -> None:
+            try:
+                texts[name] = calls[name]()
+            except BaseException as err:  # noqa: BLE001 - re-raised below, in the test thread
+                errors.append(err)
+
+        threads = [threading.Thread(target=call, args=(name,)) for name in calls]
+        for thread in threads:
+            thread.start()
+        time.sleep(1.0)  # why a fixed pause: the calls must be seen waiting a while, not failed
+        assert errors == [] and texts == {}  # waiting, not failed
+    finally:
+        os.kill(supervisor, signal.SIGCONT)
+    for thread in threads:
+        thread.join(timeout=60)
+    assert errors == [], errors
+    assert texts == {name: expected[i].generated_text for i, name in enumerate(calls)}
+    assert deployment_processes(NAME, registry_env, role="load-balancer") != [old]
 
 
 def test_terminate_leaves_no_process_and_frees_every_port(deployment, registry_env) -> None:

@@ -10,7 +10,13 @@ import pytest
 from mii_server import errors
 from mii_server.serving import grpc_common
 from mii_server.serving.frontends.loop_thread import LoopThread
-from mii_server.serving.status import abort_rpc, error_from_rpc, grpc_status_of, http_status_of
+from mii_server.serving.status import (
+    abort_rpc,
+    error_from_rpc,
+    grpc_status_of,
+    http_status_of,
+    is_transport_failure,
+)
 from mii_server.wire import generation_pb2 as pb
 from mii_server.wire import generation_pb2_grpc
 
@@ -59,6 +65,7 @@ def test_types_and_messages_survive_the_wire(bg: LoopThread) -> None:
             with pytest.raises(grpc.RpcError) as info:
                 stub.Generate(pb.GenerateRequest())
             assert info.value.code() == code
+            assert not is_transport_failure(info.value)  # decided by our server, even when UNAVAILABLE
             back = error_from_rpc(info.value)
             if isinstance(exc, errors.MIIServerError):
                 assert type(back) is type(exc) and str(back) == str(exc)
@@ -75,6 +82,7 @@ def test_unreachable_server_is_replica_unavailable() -> None:
         stub.Generate(pb.GenerateRequest(), timeout=5)
     err = error_from_rpc(info.value, f"127.0.0.1:{port}")
     assert isinstance(err, errors.ReplicaUnavailable) and f"127.0.0.1:{port}" in str(err)
+    assert is_transport_failure(info.value)
 
 
 def test_second_server_on_a_used_port_fails(bg: LoopThread) -> None:

@@ -4,6 +4,12 @@ Imports neither torch nor the engine. Generate kwargs are validated here first (
 / ``InvalidRequest`` before any network traffic) and again by the replica. A failed RPC raises the
 typed error the server raised, with its message (``status.error_from_rpc``).
 
+A load balancer that dies is restarted by the supervisor within a second or two. A call that could not
+reach it, or lost it before any output arrived (``status.is_transport_failure``), is sent again once
+it answers, for up to ``BALANCER_RETURN_WAIT_S`` (and the call's timeout): the replica dropped the
+lost copy with the connection, so nothing runs twice. Output already streamed is never repeated:
+such a stream ends with ``ReplicaUnavailable``.
+
 Streaming yields ``StreamChunk`` objects: ``Response`` deltas whose ``prompt_index`` names the prompt
 (chunks of different prompts interleave; each prompt's last chunk has ``finish_reason != NONE``).
 
@@ -32,9 +38,29 @@ from ...wire.types import Prompt, ReplicaStats, StreamChunk, Tokenized, Tokenize
 from .. import grpc_common
 from ..control import registry
 from ..security import ApiKeys, call_metadata, trusting
-from ..status import error_from_rpc
+from ..status import error_from_rpc, is_transport_failure
 
 TERMINATE_WAIT_S = 120.0
+BALANCER_RETURN_WAIT_S = 10.0  # how long a call waits for a load balancer it lost (see the docstring)
+
+
+class _Reconnect:
+    """One call's budget for waiting on a lost load balancer: ``BALANCER_RETURN_WAIT_S`` from its first
+    transport failure, and no more than the call's timeout."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self._limit = BALANCER_RETURN_WAIT_S if timeout is None else min(BALANCER_RETURN_WAIT_S, timeout)
+        self._deadline: float | None = None
+
+    def seconds_left(self, err: grpc.RpcError) -> float:
+        """How long to wait for the balancer before sending again; 0: raise ``err``."""
+        if not is_transport_failure(err):
+            return 0.0
+        now = time.monotonic()
+        if self._deadline is None:
+            self._deadline = now + self._limit
+        return max(0.0, self._deadline - now)
+
 
 class Client:
     """A connection to one deployment (its load balancer at ``address``, ``host:port``)."""
@@ -122,14 +148,20 @@ class Client:
         return self._stream(request) if prompts_ else iter(())
 
     def _stream(self, request: pb.GenerateRequest) -> Iterator[StreamChunk]:
-        call = self._stub.GenerateStream(request, timeout=self.timeout)
-        try:
-            for msg in call:
-                yield convert.chunk_from_proto(msg)
-        except grpc.RpcError as err:
-            raise error_from_rpc(err, self.address) from None
-        finally:
-            call.cancel()  # no-op after a clean end
+        reconnect = _Reconnect(self.timeout)
+        while True:
+            call = self._stub.GenerateStream(request, timeout=self.timeout)
+            started = False
+            try:
+                for msg in call:
+                    started = True
+                    yield convert.chunk_from_proto(msg)
+                return
+            except grpc.RpcError as err:
+                if started or not self._balancer_back(reconnect.seconds_left(err)):
+                    raise error_from_rpc(err, self.address) from None
+            finally:
+                call.cancel()  # no-op after a clean end
 
     def apply_chat_template(self, messages: list[tuple[str, str]], *, request_id: str = "") -> str:
         """The prompt the model's chat template makes of (role, content) ``messages`` (rendered by a replica).
@@ -162,20 +194,19 @@ class Client:
 
     def stats(self, timeout: float = 30.0) -> list[ReplicaStats]:
         """Counters of every replica (down ones have ``healthy=False``)."""
-        reply = self._call("Stats", pb.StatsRequest(), timeout)
+        reply = self._call("Stats", pb.StatsRequest(), timeout, reconnect=False)
         return [convert.stats_from_proto(r) for r in reply.replicas]
 
     def terminate_server(self, wait: bool = True) -> None:
         """Stop every process of the deployment; with ``wait``, return once they are gone."""
         pid = self._supervisor_pid()
+        running = pid is None or registry.pid_alive(pid)  # why: a stopped deployment's balancer never returns
         try:
-            self._stub.Terminate(pb.TerminateRequest(), timeout=60.0, metadata=call_metadata(admin_token=self._admin_token))
-        except grpc.RpcError as err:
-            error = error_from_rpc(err, self.address)
-            if not (
-                isinstance(error, ReplicaUnavailable) and pid is not None and not registry.pid_alive(pid)
-            ):
-                raise error from None
+            metadata = call_metadata(admin_token=self._admin_token)
+            self._call("Terminate", pb.TerminateRequest(), 60.0, reconnect=running, metadata=metadata)
+        except ReplicaUnavailable:
+            if pid is None or registry.pid_alive(pid):
+                raise
         if wait:
             self._wait_until_gone(pid)
         self.close()
@@ -248,14 +279,20 @@ class Client:
     async def _astream(self, request: pb.GenerateRequest, any_prompt: bool) -> AsyncIterator[StreamChunk]:
         if not any_prompt:
             return
-        call = self._aio_stub().GenerateStream(request, timeout=self.timeout)
-        try:
-            async for msg in call:
-                yield convert.chunk_from_proto(msg)
-        except grpc.RpcError as err:
-            raise error_from_rpc(err, self.address) from None
-        finally:
-            call.cancel()
+        reconnect = _Reconnect(self.timeout)
+        while True:
+            call = self._aio_stub().GenerateStream(request, timeout=self.timeout)
+            started = False
+            try:
+                async for msg in call:
+                    started = True
+                    yield convert.chunk_from_proto(msg)
+                return
+            except grpc.RpcError as err:
+                if started or not await self._abalancer_back(reconnect.seconds_left(err)):
+                    raise error_from_rpc(err, self.address) from None
+            finally:
+                call.cancel()
 
     def astream(
         self, prompts: list[Prompt], params: GenerateParams, *, request_id: str = ""
@@ -290,7 +327,7 @@ class Client:
 
     async def astats(self, timeout: float = 30.0) -> list[ReplicaStats]:
         """Async twin of ``stats``."""
-        reply = await self._acall("Stats", pb.StatsRequest(), timeout)
+        reply = await self._acall("Stats", pb.StatsRequest(), timeout, reconnect=False)
         return [convert.stats_from_proto(r) for r in reply.replicas]
 
     def _aio_stub(self) -> generation_pb2_grpc.GenerationStub:
@@ -303,19 +340,53 @@ class Client:
         return self._aio[2]
 
     # ---- helpers ----------------------------------------------------------------------------
-    def _call(self, method: str, request: Any, timeout: float | None) -> Any:
-        """One unary RPC; a failure raised as the typed error it stands for."""
-        try:
-            return getattr(self._stub, method)(request, timeout=timeout)
-        except grpc.RpcError as err:
-            raise error_from_rpc(err, self.address) from None
+    def _call(
+        self, method: str, request: Any, timeout: float | None, reconnect: bool = True,
+        metadata: tuple[tuple[str, str], ...] | None = None,
+    ) -> Any:  # fmt: skip
+        """One unary RPC, sent again once a lost load balancer answers (``reconnect``); a failure raised
+        as the typed error it stands for."""
+        wait = _Reconnect(timeout if reconnect else 0.0)
+        while True:
+            try:
+                return getattr(self._stub, method)(request, timeout=timeout, metadata=metadata)
+            except grpc.RpcError as err:
+                if not self._balancer_back(wait.seconds_left(err)):
+                    raise error_from_rpc(err, self.address) from None
 
-    async def _acall(self, method: str, request: Any, timeout: float | None) -> Any:
+    async def _acall(self, method: str, request: Any, timeout: float | None, reconnect: bool = True) -> Any:
         """Async twin of ``_call``, on this event loop's channel."""
+        wait = _Reconnect(timeout if reconnect else 0.0)
+        while True:
+            try:
+                return await getattr(self._aio_stub(), method)(request, timeout=timeout)
+            except grpc.RpcError as err:
+                if not await self._abalancer_back(wait.seconds_left(err)):
+                    raise error_from_rpc(err, self.address) from None
+
+    def _balancer_back(self, seconds: float) -> bool:
+        """Whether the channel to the load balancer is ready again within ``seconds`` (0: not waited for)."""
+        if seconds <= 0:
+            return False
+        ready = grpc.channel_ready_future(self._channel)
         try:
-            return await getattr(self._aio_stub(), method)(request, timeout=timeout)
-        except grpc.RpcError as err:
-            raise error_from_rpc(err, self.address) from None
+            ready.result(timeout=seconds)
+            return True
+        except grpc.FutureTimeoutError:
+            ready.cancel()  # why: unsubscribes it from the channel's state changes
+            return False
+
+    async def _abalancer_back(self, seconds: float) -> bool:
+        """Async twin of ``_balancer_back``, on this event loop's channel."""
+        if seconds <= 0:
+            return False
+        self._aio_stub()
+        assert self._aio is not None
+        try:
+            await asyncio.wait_for(self._aio[1].channel_ready(), seconds)
+            return True
+        except asyncio.TimeoutError:
+            return False
 
     def _request(
         self, prompts: Prompts, kwargs: dict[str, Any], request_id: str = ""
