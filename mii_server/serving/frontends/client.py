@@ -200,12 +200,15 @@ class Client:
     def terminate_server(self, wait: bool = True) -> None:
         """Stop every process of the deployment; with ``wait``, return once they are gone."""
         pid = self._supervisor_pid()
-        running = pid is None or registry.pid_alive(pid)  # why: a stopped deployment's balancer never returns
+
+        def running() -> bool:  # why asked: a stopped deployment's balancer is not waited for, and is no error
+            return pid is None or registry.pid_alive(pid)
+
         try:
             metadata = call_metadata(admin_token=self._admin_token)
-            self._call("Terminate", pb.TerminateRequest(), 60.0, reconnect=running, metadata=metadata)
+            self._call("Terminate", pb.TerminateRequest(), 60.0, reconnect=running(), metadata=metadata)
         except ReplicaUnavailable:
-            if pid is None or registry.pid_alive(pid):
+            if running():
                 raise
         if wait:
             self._wait_until_gone(pid)
