@@ -9,6 +9,7 @@ import pytest
 
 from mii_server import errors
 from mii_server.serving import grpc_common
+from mii_server.serving.frontends.client import Client
 from mii_server.serving.frontends.loop_thread import LoopThread
 from mii_server.serving.status import (
     abort_rpc,
@@ -83,6 +84,18 @@ def test_unreachable_server_is_replica_unavailable() -> None:
     err = error_from_rpc(info.value, f"127.0.0.1:{port}")
     assert isinstance(err, errors.ReplicaUnavailable) and f"127.0.0.1:{port}" in str(err)
     assert is_transport_failure(info.value)
+
+
+def test_a_client_waits_for_an_unreachable_balancer_then_says_how_long() -> None:
+    """A call that cannot reach the load balancer waits for it (a restart), here bounded by the
+    client's 1 s timeout, then fails saying so."""
+    port = free_port_block(1)
+    with Client(f"127.0.0.1:{port}", timeout=1) as client, pytest.raises(errors.ReplicaUnavailable) as info:
+        client.generate(["hi"], max_new_tokens=1)
+    assert f"127.0.0.1:{port} is unreachable" in str(info.value) and "(waited 1 s for it to answer)" in str(info.value)
+    with Client(f"127.0.0.1:{port}", timeout=1) as client, pytest.raises(errors.ReplicaUnavailable) as info:
+        client.stats()  # health questions do not wait
+    assert "waited" not in str(info.value)
 
 
 def test_second_server_on_a_used_port_fails(bg: LoopThread) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 
 import grpc
 
-from ...errors import InvalidRequest, ReplicaUnavailable
+from ...errors import InvalidRequest, MIIServerError, ReplicaUnavailable
 from ...generation.params import GenerateParams
 from ...generation.response import Response
 from ...wire import convert, generation_pb2_grpc
@@ -60,6 +60,13 @@ class _Reconnect:
         if self._deadline is None:
             self._deadline = now + self._limit
         return max(0.0, self._deadline - now)
+
+    def error(self, err: grpc.RpcError, address: str) -> MIIServerError:
+        """The typed error ``err`` stands for, saying how long the call waited for the balancer."""
+        error = error_from_rpc(err, address)
+        if self._limit > 0 and is_transport_failure(err):
+            return ReplicaUnavailable(f"{error} (waited {self._limit:g} s for it to answer)")
+        return error
 
 
 class Client:
@@ -159,7 +166,7 @@ class Client:
                 return
             except grpc.RpcError as err:
                 if started or not self._balancer_back(reconnect.seconds_left(err)):
-                    raise error_from_rpc(err, self.address) from None
+                    raise reconnect.error(err, self.address) from None
             finally:
                 call.cancel()  # no-op after a clean end
 
@@ -293,7 +300,7 @@ class Client:
                 return
             except grpc.RpcError as err:
                 if started or not await self._abalancer_back(reconnect.seconds_left(err)):
-                    raise error_from_rpc(err, self.address) from None
+                    raise reconnect.error(err, self.address) from None
             finally:
                 call.cancel()
 
@@ -349,23 +356,23 @@ class Client:
     ) -> Any:  # fmt: skip
         """One unary RPC, sent again once a lost load balancer answers (``reconnect``); a failure raised
         as the typed error it stands for."""
-        wait = _Reconnect(timeout if reconnect else 0.0)
+        waiting = _Reconnect(timeout if reconnect else 0.0)
         while True:
             try:
                 return getattr(self._stub, method)(request, timeout=timeout, metadata=metadata)
             except grpc.RpcError as err:
-                if not self._balancer_back(wait.seconds_left(err)):
-                    raise error_from_rpc(err, self.address) from None
+                if not self._balancer_back(waiting.seconds_left(err)):
+                    raise waiting.error(err, self.address) from None
 
     async def _acall(self, method: str, request: Any, timeout: float | None, reconnect: bool = True) -> Any:
         """Async twin of ``_call``, on this event loop's channel."""
-        wait = _Reconnect(timeout if reconnect else 0.0)
+        waiting = _Reconnect(timeout if reconnect else 0.0)
         while True:
             try:
                 return await getattr(self._aio_stub(), method)(request, timeout=timeout)
             except grpc.RpcError as err:
-                if not await self._abalancer_back(wait.seconds_left(err)):
-                    raise error_from_rpc(err, self.address) from None
+                if not await self._abalancer_back(waiting.seconds_left(err)):
+                    raise waiting.error(err, self.address) from None
 
     def _balancer_back(self, seconds: float) -> bool:
         """Whether the channel to the load balancer is ready again within ``seconds`` (0: not waited for)."""
