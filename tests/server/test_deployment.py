@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 import mii_server
-from mii_server.errors import InvalidRequest
+from mii_server.errors import InvalidRequest, ReplicaUnavailable
 from mii_server.generation.response import FinishReason, Response
 from mii_server.serving.control import registry
 from mii_server.serving.control.ports import port_is_free
@@ -386,6 +386,26 @@ def test_a_sigkilled_replica_is_restarted_and_serves_again(deployment, expected)
     for got, want in zip(deployment.client.generate(PROMPTS[:6], **GREEDY), expected[:6], strict=True):
         _same(got, want)
     assert deployment.client.stats()[1].prompts_received > 0  # the new process served some of them
+
+
+def test_a_stream_with_output_ends_at_once_when_its_load_balancer_dies(deployment, expected, registry_env) -> None:
+    """Output already streamed is never repeated: a stream whose load balancer is killed after its first
+    chunk ends with ``ReplicaUnavailable`` without waiting, the replica drops its copy, and the next
+    call waits for the restarted balancer."""
+    (old,) = deployment_processes(NAME, registry_env, role="load-balancer")
+    stream = deployment.client.generate_stream(["Tell me a long story"], max_new_tokens=1500, ignore_eos=True)
+    assert next(stream).generated_length > 0
+    os.kill(old, signal.SIGKILL)
+    with pytest.raises(ReplicaUnavailable) as info:
+        for _chunk in stream:
+            pass
+    assert "waited" not in str(info.value)
+    _same(deployment.client.generate([PROMPTS[5]], **GREEDY)[0], expected[5])
+
+    def idle() -> bool:
+        return all(s.running == 0 and s.free_blocks == s.total_blocks for s in deployment.client.stats())
+
+    wait_for(idle, 30, "the replicas to drop the lost stream and free its KV blocks")
 
 
 def test_calls_made_while_a_sigkilled_load_balancer_is_down_wait_for_its_restart(

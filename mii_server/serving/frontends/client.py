@@ -62,7 +62,8 @@ class _Reconnect:
         return max(0.0, self._deadline - now)
 
     def error(self, err: grpc.RpcError, address: str) -> MIIServerError:
-        """The typed error ``err`` stands for, saying how long the call waited for the balancer."""
+        """The typed error of a call that is not sent again: a transport failure after a wait
+        (``seconds_left`` ran out) says how long the call waited for the balancer."""
         error = error_from_rpc(err, address)
         if self._limit > 0 and is_transport_failure(err):
             return ReplicaUnavailable(f"{error} (waited {self._limit:g} s for it to answer)")
@@ -165,7 +166,9 @@ class Client:
                     yield convert.chunk_from_proto(msg)
                 return
             except grpc.RpcError as err:
-                if started or not self._balancer_back(reconnect.seconds_left(err)):
+                if started:  # why not sent again: its output would be repeated
+                    raise error_from_rpc(err, self.address) from None
+                if not self._balancer_back(reconnect.seconds_left(err)):
                     raise reconnect.error(err, self.address) from None
             finally:
                 call.cancel()  # no-op after a clean end
@@ -299,7 +302,9 @@ class Client:
                     yield convert.chunk_from_proto(msg)
                 return
             except grpc.RpcError as err:
-                if started or not await self._abalancer_back(reconnect.seconds_left(err)):
+                if started:  # why not sent again: its output would be repeated
+                    raise error_from_rpc(err, self.address) from None
+                if not await self._abalancer_back(reconnect.seconds_left(err)):
                     raise reconnect.error(err, self.address) from None
             finally:
                 call.cancel()
@@ -390,8 +395,7 @@ class Client:
         """Async twin of ``_balancer_back``, on this event loop's channel."""
         if seconds <= 0:
             return False
-        self._aio_stub()
-        assert self._aio is not None
+        assert self._aio is not None  # the failed attempt made this loop's channel
         try:
             await asyncio.wait_for(self._aio[1].channel_ready(), seconds)
             return True
