@@ -52,22 +52,22 @@ class _Reconnect:
         self._limit = BALANCER_RETURN_WAIT_S if timeout is None else min(BALANCER_RETURN_WAIT_S, timeout)
         self._deadline: float | None = None
 
-    def seconds_left(self, err: grpc.RpcError) -> float:
-        """How long to wait for the balancer before sending again; 0: raise ``err``."""
-        if not is_transport_failure(err):
-            return 0.0
+    def seconds_left(self, err: grpc.RpcError, address: str, output_seen: bool = False) -> float:
+        """How long to wait for the balancer before sending the call again; raises the call's typed error
+        when it is not sent again (its output would be repeated, no transport failure, no time left)."""
+        if output_seen or not is_transport_failure(err):
+            raise error_from_rpc(err, address) from None
         now = time.monotonic()
         if self._deadline is None:
             self._deadline = now + self._limit
-        return max(0.0, self._deadline - now)
+        if now >= self._deadline:
+            raise self.error(err, address) from None
+        return self._deadline - now
 
     def error(self, err: grpc.RpcError, address: str) -> MIIServerError:
-        """The typed error of a call that is not sent again: a transport failure after a wait
-        (``seconds_left`` ran out) says how long the call waited for the balancer."""
+        """The typed error of a transport failure that outlasted the wait, saying how long it waited."""
         error = error_from_rpc(err, address)
-        if self._limit > 0 and is_transport_failure(err):
-            return ReplicaUnavailable(f"{error} (waited {self._limit:g} s for it to answer)")
-        return error
+        return ReplicaUnavailable(f"{error} (waited {self._limit:g} s for it to answer)") if self._limit else error
 
 
 class Client:
@@ -166,9 +166,7 @@ class Client:
                     yield convert.chunk_from_proto(msg)
                 return
             except grpc.RpcError as err:
-                if started:  # why not sent again: its output would be repeated
-                    raise error_from_rpc(err, self.address) from None
-                if not self._balancer_back(reconnect.seconds_left(err)):
+                if not self._balancer_back(reconnect.seconds_left(err, self.address, started)):
                     raise reconnect.error(err, self.address) from None
             finally:
                 call.cancel()  # no-op after a clean end
@@ -302,9 +300,7 @@ class Client:
                     yield convert.chunk_from_proto(msg)
                 return
             except grpc.RpcError as err:
-                if started:  # why not sent again: its output would be repeated
-                    raise error_from_rpc(err, self.address) from None
-                if not await self._abalancer_back(reconnect.seconds_left(err)):
+                if not await self._abalancer_back(reconnect.seconds_left(err, self.address, started)):
                     raise reconnect.error(err, self.address) from None
             finally:
                 call.cancel()
@@ -366,7 +362,7 @@ class Client:
             try:
                 return getattr(self._stub, method)(request, timeout=timeout, metadata=metadata)
             except grpc.RpcError as err:
-                if not self._balancer_back(waiting.seconds_left(err)):
+                if not self._balancer_back(waiting.seconds_left(err, self.address)):
                     raise waiting.error(err, self.address) from None
 
     async def _acall(self, method: str, request: Any, timeout: float | None, reconnect: bool = True) -> Any:
@@ -376,13 +372,11 @@ class Client:
             try:
                 return await getattr(self._aio_stub(), method)(request, timeout=timeout)
             except grpc.RpcError as err:
-                if not await self._abalancer_back(waiting.seconds_left(err)):
+                if not await self._abalancer_back(waiting.seconds_left(err, self.address)):
                     raise waiting.error(err, self.address) from None
 
     def _balancer_back(self, seconds: float) -> bool:
-        """Whether the channel to the load balancer is ready again within ``seconds`` (0: not waited for)."""
-        if seconds <= 0:
-            return False
+        """Whether the channel to the load balancer is ready again within ``seconds``."""
         ready = grpc.channel_ready_future(self._channel)
         try:
             ready.result(timeout=seconds)
@@ -393,8 +387,6 @@ class Client:
 
     async def _abalancer_back(self, seconds: float) -> bool:
         """Async twin of ``_balancer_back``, on this event loop's channel."""
-        if seconds <= 0:
-            return False
         assert self._aio is not None  # the failed attempt made this loop's channel
         try:
             await asyncio.wait_for(self._aio[1].channel_ready(), seconds)
