@@ -248,6 +248,8 @@ def run_ours(path: Path, args: argparse.Namespace, hf: dict[str, float]) -> None
            block_size=engine.block_size, kv_gib=engine.total_blocks * engine.block_size * KV_BYTES_PER_TOKEN / 2**30,
            graph_rungs=None if graphs is None else graphs.batch_sizes,
            graph_pool_mib=None if graphs is None else graphs.pool_bytes / 2**20,
+           graph_replay_ms=None if graphs is None else {n: round(ms, 3) for n, ms in graphs.replay_ms.items()},
+           graph_reroutes=None if graphs is None else {n: q for n, q in graphs.routes.items() if q != n},
            free_mib_after=free / 2**20, allocated_mib=torch.cuda.memory_allocated() / 2**20,
            reserved_mib=torch.cuda.memory_reserved() / 2**20, config=config.model_dump(exclude={"kv_cache"}))  # fmt: skip
     rng = torch.Generator().manual_seed(0)

@@ -1,9 +1,14 @@
 """DecodeGraphs: CUDA graphs of decode-only forwards, captured for a ladder of batch sizes at start-up.
 
-A decode-only step (one new token per sequence) is padded up to the next rung of the ladder and
-replayed: one host-to-device copy of the packed batch into the rung's static input buffer, one graph
-launch. Padded tokens carry cache slot -1 (the KV append skips them) and padded sequences own no
-tokens, so the real rows' logits equal an eager forward's.
+A decode-only step (one new token per sequence) is padded up to a rung of the ladder and replayed:
+one host-to-device copy of the packed batch into the rung's static input buffer, one graph launch.
+Padded tokens carry cache slot -1 (the KV append skips them) and padded sequences own no tokens, so
+the real rows' logits equal an eager forward's.
+
+The rung is the smallest that holds the batch, unless a larger one replays clearly faster: each
+graph is timed once after capture (``fastest_rungs``), because a library GEMM's speed is not
+monotone in its rows (cuBLAS's bf16 gate_up of Llama-3-8B took 296 us at 448 rows and 162 us at 512
+on an H100).
 
 No global state: the metadata the captured kernels read is a set of views of each rung's static
 buffer, passed to the model explicitly at capture time like any other batch's. The decode attention
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.parallel import TensorParallelGroup
 from .kv_cache import BlockedKVCache
 from .ragged_batch import BatchLayout, HostStaging, RaggedBatch, pack_batch, with_fed_back
 from .state_manager import SequenceDescriptor
@@ -48,6 +54,22 @@ def pick_rung(sizes: Sequence[int], num_seqs: int) -> int | None:
     """The smallest rung holding ``num_seqs`` sequences, or None when none does."""
     i = bisect.bisect_left(sizes, num_seqs)
     return sizes[i] if i < len(sizes) else None
+
+
+# a larger rung replaces a smaller one only when it replays at least this much faster (timing noise)
+REROUTE_MIN_GAIN = 0.05
+
+
+def fastest_rungs(replay_ms: dict[int, float]) -> dict[int, int]:
+    """Rung -> the rung its batches replay: the smallest rung at or above it whose replay time is
+    within ``REROUTE_MIN_GAIN`` of the fastest of those (most rungs map to themselves)."""
+    sizes = sorted(replay_ms)
+    routes = {}
+    for i, rung in enumerate(sizes):
+        larger = sizes[i:]
+        best = min(replay_ms[q] for q in larger)
+        routes[rung] = next(q for q in larger if replay_ms[q] * (1 - REROUTE_MIN_GAIN) <= best)
+    return routes
 
 
 @dataclass
@@ -99,6 +121,14 @@ class DecodeGraphs:
             len(self._graphs), self.batch_sizes[0], self.batch_sizes[-1], max_context_len,
             self.pool_bytes / 2**20,
         )  # fmt: skip
+        self.replay_ms = self._time_replays(device, model.tp)
+        self.routes = fastest_rungs(self.replay_ms)
+        for rung, used in self.routes.items():
+            if used != rung:
+                log.info(
+                    "decode batches of the %d-row rung replay the %d-row graph (%.2f ms against %.2f)",
+                    rung, used, self.replay_ms[used], self.replay_ms[rung],
+                )  # fmt: skip
 
     def _capture(
         self, model: torch.nn.Module, n: int, device: torch.device, pool: object, stream: torch.cuda.Stream
@@ -118,6 +148,30 @@ class DecodeGraphs:
             logits = model(with_fed_back(batch.input_ids, self.fed_back), batch.meta, self.kv_cache)
         return _Graph(graph=graph, inputs=inputs, logits=logits)
 
+    def _time_replays(
+        self, device: torch.device, tp: TensorParallelGroup, replays: int = 3
+    ) -> dict[int, float]:
+        """ms of each rung's replay on its all-padding capture inputs (nothing is read or written
+        but the weights and activations: the part of a step its rung decides), the least of
+        ``replays``. Under tensor parallelism the ranks' times are summed, so every rank routes alike
+        (their graphs' collectives must match)."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = torch.zeros(len(self.batch_sizes), dtype=torch.float64)
+        for i, n in enumerate(self.batch_sizes):
+            graph = self._graphs[n].graph
+            graph.replay()  # warm: the first replay uploads the graph
+            best = float("inf")
+            for _ in range(replays):
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                best = min(best, start.elapsed_time(end))
+            times[i] = best
+        if tp.size > 1:
+            times = tp.all_reduce(times.to(device)).cpu()
+        return dict(zip(self.batch_sizes, times.tolist(), strict=True))
+
     def fits(self, sequences: Sequence[SequenceDescriptor], tokens: Sequence[Sequence[int]]) -> bool:
         """Whether this batch is decode-only and small enough for a captured graph."""
         if not sequences or len(sequences) > self.batch_sizes[-1]:
@@ -129,6 +183,7 @@ class DecodeGraphs:
         """Replay the forward of a batch that ``fits``; returns fresh float32 logits [S, vocab]."""
         rung = pick_rung(self.batch_sizes, len(sequences))
         assert rung is not None
+        rung = self.routes[rung]
         entry = self._graphs[rung]
         packed = pack_batch(sequences, tokens, self.block_size, num_seqs=rung, table_width=self.table_width)
         self.staging.upload(packed, out=entry.inputs)

@@ -60,14 +60,9 @@ def test_graphs_on_and_off_give_the_same_greedy_tokens(checkpoint: Path, dtype: 
         assert agreement(with_graphs, eager) >= 0.5
 
 
-def test_replayed_logits_equal_eager_logits_for_every_rung(checkpoint: Path) -> None:
-    pipe = mii_server.pipeline(
-        str(checkpoint), device="cuda", dtype="float32", max_ragged_sequence_count=8,
-        kv_cache={"num_blocks": 64, "block_size": 16},
-    )  # fmt: skip
-    engine = engine_of(pipe)
+def assert_replays_equal_eager_forwards(engine: InferenceEngine, batch_sizes: tuple[int, ...]) -> None:
     with torch.inference_mode():
-        for n in (1, 3, 5, 8):  # exact rungs and padded ones
+        for n in batch_sizes:
             uids = list(range(100 * n, 100 * n + n))
             prompts = [[5 + i + j for j in range(3 + 7 * i)] for i in range(n)]  # different lengths
             engine.put(uids, prompts)
@@ -82,6 +77,28 @@ def test_replayed_logits_equal_eager_logits_for_every_rung(checkpoint: Path) -> 
             torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4)
             for uid in uids + twins:
                 engine.flush(uid)
+
+
+def test_replayed_logits_equal_eager_logits_for_every_rung(checkpoint: Path) -> None:
+    pipe = mii_server.pipeline(
+        str(checkpoint), device="cuda", dtype="float32", max_ragged_sequence_count=8,
+        kv_cache={"num_blocks": 64, "block_size": 16},
+    )  # fmt: skip
+    assert_replays_equal_eager_forwards(engine_of(pipe), (1, 3, 5, 8))  # exact rungs and padded ones
+    pipe.destroy()
+
+
+def test_every_rung_is_timed_and_a_batch_replayed_in_a_larger_rung_equals_eager(checkpoint: Path) -> None:
+    pipe = mii_server.pipeline(
+        str(checkpoint), device="cuda", dtype="float32", max_ragged_sequence_count=8,
+        kv_cache={"num_blocks": 64, "block_size": 16},
+    )  # fmt: skip
+    graphs = engine_of(pipe).cuda_graphs
+    assert graphs is not None
+    assert sorted(graphs.replay_ms) == graphs.batch_sizes and all(ms > 0 for ms in graphs.replay_ms.values())
+    assert all(used >= rung for rung, used in graphs.routes.items())
+    graphs.routes = dict.fromkeys(graphs.batch_sizes, 8)  # as if the 8-row graph were the fastest
+    assert_replays_equal_eager_forwards(engine_of(pipe), (1, 3, 5))
     pipe.destroy()
 
 
